@@ -1,0 +1,145 @@
+"""Typed configuration and its validation.
+
+This module sits at the bottom of the package: it imports nothing of ours, so
+every layer above (topology, distributed, model, executors, engine) can depend
+on it without cycles. Every rule a user can break is checked here, before any
+process or collective exists, and the message names the bad value and the rule.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+BACKENDS = ("uni", "mp", "external_launcher")
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration mistake: the CLIs turn it into exit code 2."""
+
+
+def launched_by_torchrun(environ: Mapping[str, str]) -> bool:
+    """True when a launcher (torchrun, or anything exporting its variables) started us."""
+    return all(name in environ for name in TORCHRUN_VARS)
+
+
+def resolve_backend(
+    requested: str | type | None,
+    world_size: int,
+    world_size_across_dp: int,
+    environ: Mapping[str, str],
+) -> str | type:
+    """The backend string as vLLM's ParallelConfig.__post_init__ resolves it.
+
+    An explicit value wins (a string from BACKENDS, or an Executor subclass: the
+    subclass check itself lives in Executor.get_class, which config may not
+    import). Under a torchrun launch the default is external_launcher, since the
+    launcher already made every process. Otherwise "mp" as soon as more than one
+    rank is in play across DP, and "uni" only when TP = PP = PCP = DP = 1.
+    """
+    if requested is not None:
+        if isinstance(requested, type):
+            return requested
+        if requested not in BACKENDS:
+            raise ConfigError(
+                f"Unknown distributed executor backend: {requested!r} "
+                f"(expected one of {', '.join(BACKENDS)} or an Executor subclass)"
+            )
+        return requested
+    if launched_by_torchrun(environ):
+        return "external_launcher"
+    if world_size_across_dp > 1:
+        return "mp"
+    return "uni"
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+@dataclass
+class ParallelConfig:
+    """How one model is cut up (TP, PP, PCP, DCP) and copied (DP).
+
+    `world_size` is TP x PP x PCP: the processes of one DP replica, the count a
+    MultiprocExecutor spawns. `world_size_across_dp` multiplies in DP. Neither
+    counts external-DP replicas, which exist only in the launcher's world.
+    """
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    prefill_context_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
+    data_parallel_rank_local: int | None = None
+    nnodes: int = 1
+    enable_expert_parallel: bool = False
+    distributed_executor_backend: str | type | None = None
+    world_size: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.validate()
+        self.world_size = (
+            self.tensor_parallel_size
+            * self.pipeline_parallel_size
+            * self.prefill_context_parallel_size
+        )
+        if self.data_parallel_rank_local is None:
+            self.data_parallel_rank_local = self.data_parallel_rank
+        self.distributed_executor_backend = resolve_backend(
+            self.distributed_executor_backend,
+            self.world_size,
+            self.world_size_across_dp,
+            os.environ,
+        )
+        if self.distributed_executor_backend == "uni" and self.world_size > 1:
+            raise ConfigError(
+                f"distributed_executor_backend 'uni' runs one worker, but "
+                f"TP x PP x PCP = {self.world_size}; use 'mp' or 'external_launcher'"
+            )
+
+    def validate(self) -> None:
+        for name in (
+            "tensor_parallel_size",
+            "pipeline_parallel_size",
+            "prefill_context_parallel_size",
+            "decode_context_parallel_size",
+            "data_parallel_size",
+            "nnodes",
+        ):
+            _check_positive(name, getattr(self, name))
+        tp, dcp = self.tensor_parallel_size, self.decode_context_parallel_size
+        if tp % dcp != 0:
+            raise ConfigError(
+                f"decode_context_parallel_size ({dcp}) must divide "
+                f"tensor_parallel_size ({tp})"
+            )
+        if self.prefill_context_parallel_size > 1 and self.data_parallel_size > 1:
+            raise ConfigError(
+                f"prefill_context_parallel_size ({self.prefill_context_parallel_size}) > 1 "
+                f"cannot be combined with data_parallel_size ({self.data_parallel_size}) > 1"
+            )
+        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ConfigError(
+                f"data_parallel_rank ({self.data_parallel_rank}) must be in "
+                f"[0, data_parallel_size={self.data_parallel_size})"
+            )
+
+    @property
+    def world_size_across_dp(self) -> int:
+        """Process world size across TP, PCP, PP and DP."""
+        return self.world_size * self.data_parallel_size
+
+    @property
+    def local_world_size(self) -> int:
+        """Workers of one replica on one node (a replica may span nodes)."""
+        return max(1, self.world_size // self.nnodes)
+
+    @property
+    def output_rank(self) -> int:
+        """First TP worker of the last PP stage, as a rank within the replica."""
+        return self.world_size - self.tensor_parallel_size * self.prefill_context_parallel_size
