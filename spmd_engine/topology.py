@@ -10,7 +10,6 @@ the distributed runtime and the tests share one definition.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 AXES = ("external_dp", "dp", "pp", "pcp", "tp")
@@ -115,17 +114,12 @@ def coord_to_rank(layout: Layout, coord: Coord) -> int:
 
 def _groups_varying(layout: Layout, varying: tuple[str, ...]) -> list[list[int]]:
     """Groups of ranks that share every coordinate except those in `varying`."""
-    sizes = dict(zip(AXES, layout.shape))
     fixed = [a for a in AXES if a not in varying]
-    groups = []
-    for fixed_values in itertools.product(*(range(sizes[a]) for a in fixed)):
-        base = dict(zip(fixed, fixed_values))
-        members = []
-        for var_values in itertools.product(*(range(sizes[a]) for a in varying)):
-            point = {**base, **dict(zip(varying, var_values))}
-            members.append(coord_to_rank(layout, Coord(**point)))
-        groups.append(sorted(members))
-    return sorted(groups)
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for rank in range(layout.launched_world_size):
+        coord = rank_to_coord(layout, rank)
+        groups.setdefault(tuple(getattr(coord, a) for a in fixed), []).append(rank)
+    return sorted(groups.values())
 
 
 def group_table(layout: Layout, axis: str) -> list[list[int]]:

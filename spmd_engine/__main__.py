@@ -1,0 +1,3 @@
+from spmd_engine.run import main
+
+raise SystemExit(main())

@@ -1,0 +1,51 @@
+"""Flags shared by `spmd_engine.run` and `spmd_engine.plan`, with vLLM's names.
+
+One definition serves both CLIs so a layout that `plan` prints is exactly the
+layout `run` launches. Usage errors leave through `UsageParser.error`: one
+`error: ...` line on stderr and exit code 2, never a usage dump or traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from spmd_engine.config import BACKENDS, ParallelConfig
+
+EXIT_USAGE = 2
+
+
+class UsageParser(argparse.ArgumentParser):
+    """ArgumentParser whose errors are one line and exit 2 (DESIGN 4.1)."""
+
+    def error(self, message: str) -> "NoReturn":  # type: ignore[name-defined]  # noqa: F821
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def add_parallel_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("parallel layout")
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N")
+    group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="N")
+    group.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N")
+    group.add_argument("--prefill-context-parallel-size", "-pcp", type=int, default=1, metavar="N")
+    group.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1, metavar="N")
+    group.add_argument("--enable-expert-parallel", action="store_true")
+    group.add_argument("--distributed-executor-backend", choices=BACKENDS, default=None)
+    group.add_argument("--nnodes", type=int, default=1, metavar="N",
+                       help="nodes the launch spans (device and local-rank mapping)")
+
+
+def parallel_config_from_args(args: argparse.Namespace, data_parallel_rank: int = 0) -> ParallelConfig:
+    """Build and validate the ParallelConfig; raises ConfigError on a bad layout."""
+    return ParallelConfig(
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        prefill_context_parallel_size=args.prefill_context_parallel_size,
+        decode_context_parallel_size=args.decode_context_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        data_parallel_rank=data_parallel_rank,
+        nnodes=args.nnodes,
+        enable_expert_parallel=args.enable_expert_parallel,
+        distributed_executor_backend=args.distributed_executor_backend,
+    )
