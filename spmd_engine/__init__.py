@@ -1,0 +1,20 @@
+"""spmd_engine: a decoder-LLM runtime for torchrun, SLURM and single-process launches.
+
+`LLM` and `SamplingParams` are imported lazily so `import spmd_engine` (and the
+plan CLI) stays free of torch until a model is actually needed.
+"""
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+
+
+def __getattr__(name):
+    if name == "LLM":
+        from spmd_engine.engine.llm import LLM
+        return LLM
+    if name == "SamplingParams":
+        from spmd_engine.sampling_params import SamplingParams
+        return SamplingParams
+    if name in ("RequestOutput", "CompletionOutput"):
+        from spmd_engine.engine import outputs
+        return getattr(outputs, name)
+    raise AttributeError(f"module 'spmd_engine' has no attribute {name!r}")

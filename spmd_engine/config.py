@@ -143,3 +143,49 @@ class ParallelConfig:
     def output_rank(self) -> int:
         """First TP worker of the last PP stage, as a rank within the replica."""
         return self.world_size - self.tensor_parallel_size * self.prefill_context_parallel_size
+
+
+@dataclass
+class ModelConfig:
+    """Which checkpoint, in which dtype. `model=None` means the bundled model."""
+
+    model: str | None = None
+    dtype: str | None = None  # None: config.json's torch_dtype on GPU, float32 on CPU
+    pp_partition: str | None = None  # e.g. "3,3,2"; else SPMD_ENGINE_PP_PARTITION or vLLM's split
+
+    @property
+    def model_dir(self) -> str:
+        """The checkpoint directory; the bundled model ships inside the package."""
+        if self.model is not None:
+            return self.model
+        return os.path.join(os.path.dirname(os.path.abspath(__file__)), "bundled")
+
+    def __post_init__(self) -> None:
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 8
+    max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 4096
+
+    def __post_init__(self) -> None:
+        _check_positive("max_num_seqs", self.max_num_seqs)
+        if self.max_model_len is not None:
+            _check_positive("max_model_len", self.max_model_len)
+
+
+@dataclass
+class EngineConfig:
+    """Everything one engine (one DP replica) needs; pickled to its workers under mp."""
+
+    model_config: ModelConfig
+    parallel_config: ParallelConfig
+    scheduler_config: SchedulerConfig
+    seed: int = 0
+    device: str = "cpu"  # "cuda" when GPUs are present
+    timeout_s: float = 300.0

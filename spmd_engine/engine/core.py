@@ -1,0 +1,61 @@
+"""EngineCore: one DP replica's scheduler and executor, stepped until its requests finish."""
+
+from __future__ import annotations
+
+import logging
+
+from spmd_engine.config import EngineConfig
+from spmd_engine.engine.request import Request
+from spmd_engine.engine.scheduler import Scheduler
+from spmd_engine.executor.abstract import Executor
+
+logger = logging.getLogger("spmd_engine")
+
+
+class EngineDeadError(RuntimeError):
+    """The executor failed; every in-flight request of this engine fails with it."""
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor_class: type[Executor], max_model_len: int,
+                 eos_token_id: int | None):
+        self.config = config
+        self.executor = executor_class(config)
+        try:
+            sc = config.scheduler_config
+            num_slots = self.executor.determine_num_kv_slots(sc.max_num_seqs, max_model_len)
+            self.executor.initialize_kv_cache(num_slots, max_model_len)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.num_kv_slots = num_slots
+        self.scheduler = Scheduler(num_slots, max_model_len, eos_token_id)
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[Request]:
+        """Schedule, run the model, sample (unless the first call already answered), update."""
+        scheduler_output = self.scheduler.schedule()
+        try:
+            model_output = self.executor.execute_model(scheduler_output)
+            if model_output is None:
+                model_output = self.executor.sample_tokens(None)
+        except Exception as exc:
+            raise EngineDeadError(f"engine failed while running step {scheduler_output.step}: {exc}") from exc
+        return self.scheduler.update_from_output(scheduler_output, model_output)
+
+    def run_until_done(self) -> list[Request]:
+        finished = []
+        while self.scheduler.has_unfinished():
+            finished.extend(self.step())
+        return finished
+
+    def collective_rpc(self, method, args=(), kwargs=None, unique_reply_rank=None):
+        return self.executor.collective_rpc(method, args, kwargs, unique_reply_rank)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,135 @@
+"""DP > 1 without a launcher: one EngineCore_DP{i} process per replica.
+
+Each replica is a whole engine (scheduler, KV cache, executor and its own
+workers). The launching process splits the prompts over the replicas, waits for
+every replica, and puts the results back in input order. A replica that fails
+does not take the others down: their results are kept on the raised error.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import traceback
+from dataclasses import replace
+
+from spmd_engine import topology
+from spmd_engine.config import EngineConfig
+from spmd_engine.engine.core import EngineDeadError
+from spmd_engine.engine.request import Request
+
+POLL_S = 0.2
+
+
+class DPEngineClient:
+    def __init__(self, config: EngineConfig, executor_class, max_model_len: int, eos: int | None):
+        dp_size = config.parallel_config.data_parallel_size
+        ctx = mp.get_context("spawn")
+        self.procs: list[mp.Process] = []
+        self.conns = []
+        for dp_rank in range(dp_size):
+            pc = replace(config.parallel_config, data_parallel_rank=dp_rank, data_parallel_rank_local=dp_rank,
+                         distributed_executor_backend=config.parallel_config.distributed_executor_backend)
+            replica_config = replace(config, parallel_config=pc)
+            parent, child = ctx.Pipe()
+            name = topology.engine_core_name(dp_rank, dp_size)
+            proc = ctx.Process(target=run_engine_core, name=name, daemon=False,
+                               args=(replica_config, executor_class, max_model_len, eos, name, child, os.getpid()))
+            proc.start()
+            child.close()
+            self.procs.append(proc)
+            self.conns.append(parent)
+        try:
+            for i in range(dp_size):
+                self._reply(i, "start-up")
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _reply(self, i: int, what: str):
+        conn, proc = self.conns[i], self.procs[i]
+        while not conn.poll(POLL_S):
+            if not proc.is_alive():
+                raise EngineDeadError(f"{proc.name} (pid {proc.pid}) died during {what} "
+                                      f"with exit code {proc.exitcode}")
+        try:
+            status, payload = conn.recv()
+        except EOFError:
+            raise EngineDeadError(f"{proc.name} (pid {proc.pid}) closed its pipe during {what}") from None
+        if status == "error":
+            raise EngineDeadError(f"{proc.name}: {payload}")
+        return payload
+
+    def generate(self, requests: list[Request]) -> list[Request]:
+        shares = [requests[i::len(self.procs)] for i in range(len(self.procs))]
+        for conn, share in zip(self.conns, shares):
+            conn.send(("generate", share))
+        finished, errors = [], []
+        for i in range(len(self.procs)):
+            try:
+                finished.extend(self._reply(i, "generate"))
+            except EngineDeadError as exc:
+                errors.append(str(exc))
+        if errors:
+            err = EngineDeadError("; ".join(errors))
+            err.partial = finished  # other replicas' results are intact
+            raise err
+        return finished
+
+    def collective_rpc(self, method, args=(), kwargs=None, unique_reply_rank=None):
+        for conn in self.conns:
+            conn.send(("rpc", (method, args, kwargs, unique_reply_rank)))
+        return [r for i in range(len(self.procs)) for r in self._reply(i, "collective_rpc")]
+
+    def shutdown(self) -> None:
+        for conn, proc in zip(self.conns, self.procs):
+            if proc.is_alive():
+                try:
+                    conn.send(("shutdown", None))
+                except (BrokenPipeError, OSError):
+                    pass
+        for proc in self.procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        for conn in self.conns:
+            conn.close()
+        self.procs, self.conns = [], []
+
+
+def run_engine_core(config, executor_class, max_model_len, eos, name, conn, parent_pid) -> None:
+    """Body of an EngineCore_DP{i} process: build the engine, then serve the front end."""
+    from spmd_engine.engine.core import EngineCore
+    from spmd_engine.proc_util import die_with_parent, set_process_title
+    set_process_title(name)
+    die_with_parent(parent_pid)
+    try:
+        core = EngineCore(config, executor_class, max_model_len, eos)
+    except BaseException as exc:
+        conn.send(("error", _one_line(exc)))
+        return
+    conn.send(("ok", None))
+    try:
+        while True:
+            try:
+                kind, payload = conn.recv()
+            except EOFError:
+                return
+            if kind == "shutdown":
+                return
+            try:
+                if kind == "generate":
+                    for request in payload:
+                        core.add_request(request)
+                    conn.send(("ok", core.run_until_done()))
+                elif kind == "rpc":
+                    conn.send(("ok", core.executor.collective_rpc(*payload)))
+            except Exception as exc:
+                conn.send(("error", _one_line(exc)))
+    finally:
+        core.shutdown()
+
+
+def _one_line(exc: BaseException) -> str:
+    return "".join(traceback.format_exception_only(type(exc), exc)).strip()

@@ -1,0 +1,206 @@
+"""`LLM`: the Python front end, shaped like vLLM's so users' habits carry over.
+
+It validates everything it can before any process or collective exists (sizes,
+the checkpoint's config, TP/PP against the model), then builds one EngineCore
+in this process (uni, mp at DP = 1, external_launcher) or one EngineCore_DP{i}
+process per replica (DP > 1), and returns results complete and in input order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+from typing import Any, Callable, Sequence
+
+from spmd_engine import topology
+from spmd_engine.config import (
+    ConfigError, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+)
+from spmd_engine.engine.outputs import CompletionOutput, RequestOutput
+from spmd_engine.engine.request import Request
+from spmd_engine.sampling_params import SamplingParams
+
+MAX_MODEL_LEN_CAP = 4096
+SEED_MASK = (1 << 63) - 1
+
+
+def request_seed(engine_seed: int, index: int) -> int:
+    """A prompt's random stream from the engine seed and its index in the whole input."""
+    return (engine_seed * 1_000_003 + index * 7919 + 12345) & SEED_MASK
+
+
+class LLM:
+    def __init__(self, model: str | None = None, tensor_parallel_size: int = 1,
+                 pipeline_parallel_size: int = 1, data_parallel_size: int = 1,
+                 prefill_context_parallel_size: int = 1, decode_context_parallel_size: int = 1,
+                 distributed_executor_backend: str | type | None = None, seed: int = 0,
+                 dtype: str | None = None, max_model_len: int | None = None, max_num_seqs: int = 8,
+                 enable_expert_parallel: bool = False, pp_partition: str | None = None,
+                 device: str | None = None, timeout_s: float | None = None, nnodes: int = 1):
+        from spmd_engine.model.loader import check_model_parallel, read_hf_config
+        from spmd_engine.model.tokenizer import load_tokenizer
+
+        parallel = ParallelConfig(
+            tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+            prefill_context_parallel_size=prefill_context_parallel_size,
+            decode_context_parallel_size=decode_context_parallel_size,
+            data_parallel_size=data_parallel_size, nnodes=nnodes,
+            enable_expert_parallel=enable_expert_parallel,
+            distributed_executor_backend=distributed_executor_backend,
+        )
+        if parallel.prefill_context_parallel_size > 1 or parallel.decode_context_parallel_size > 1:
+            raise ConfigError("context parallelism (PCP/DCP > 1) is planned but not implemented in the "
+                              "model yet; use spmd_engine.plan to inspect such layouts")
+        model_config = ModelConfig(model=model, dtype=dtype, pp_partition=pp_partition)
+        self.hf_config = read_hf_config(model_config.model_dir)
+        check_model_parallel(self.hf_config, parallel.tensor_parallel_size,
+                             parallel.pipeline_parallel_size, pp_partition)
+        self.tokenizer = load_tokenizer(model_config.model_dir)
+        limit = min(int(self.hf_config.get("max_position_embeddings", MAX_MODEL_LEN_CAP)), MAX_MODEL_LEN_CAP)
+        if max_model_len is not None and max_model_len > int(self.hf_config.get("max_position_embeddings", max_model_len)):
+            raise ConfigError(f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
+                              f"({self.hf_config['max_position_embeddings']})")
+        self.max_model_len = max_model_len or limit
+        if timeout_s is None:
+            timeout_s = float(os.environ.get("SPMD_ENGINE_TIMEOUT_S", "300"))
+        self.config = EngineConfig(
+            model_config=model_config, parallel_config=parallel,
+            scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=self.max_model_len),
+            seed=seed, device=device or _default_device(), timeout_s=timeout_s,
+        )
+        self.seed = seed
+        self._next_request = 0
+        self._engine = self._make_engine()
+
+    # -- construction -----------------------------------------------------------
+    def _make_engine(self):
+        from spmd_engine.executor.abstract import Executor
+        pc = self.config.parallel_config
+        executor_class = Executor.get_class(self.config)
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if pc.distributed_executor_backend == "external_launcher" or pc.data_parallel_size == 1:
+            from spmd_engine.engine.core import EngineCore
+            return EngineCore(self.config, executor_class, self.max_model_len, eos)
+        from spmd_engine.engine.dp_client import DPEngineClient
+        return DPEngineClient(self.config, executor_class, self.max_model_len, eos)
+
+    # -- generation ---------------------------------------------------------------
+    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        requests = self._make_requests(prompts, sampling_params)
+        if self.config.parallel_config.distributed_executor_backend == "external_launcher":
+            self._check_same_inputs_across_replica(requests)
+        finished = {r.request_id: r for r in self._engine_generate(requests)}
+        return [_to_output(finished[r.request_id], self.tokenizer) for r in requests]
+
+    def _engine_generate(self, requests: list[Request]) -> list[Request]:
+        if hasattr(self._engine, "generate"):
+            return self._engine.generate(requests)
+        for request in requests:
+            self._engine.add_request(request)
+        return self._engine.run_until_done()
+
+    def _make_requests(self, prompts, sampling_params) -> list[Request]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise ConfigError("no prompts given")
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ConfigError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
+        requests = []
+        for index, (prompt, params) in enumerate(zip(prompts, params_list)):
+            text, ids = self._encode(prompt, index)
+            seed = params.seed if params.seed is not None else request_seed(self.seed, index)
+            requests.append(Request(str(self._next_request), ids, params, seed, prompt=text))
+            self._next_request += 1
+        return requests
+
+    def _encode(self, prompt, index: int) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+            text = prompt
+        else:
+            ids, text = [int(t) for t in prompt], None
+            vocab = int(self.hf_config["vocab_size"])
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ConfigError(f"prompt {index}: token id {bad[0]} outside the vocabulary [0, {vocab})")
+        if not ids:
+            raise ConfigError(f"prompt {index} is empty")
+        if len(ids) >= self.max_model_len:
+            raise ConfigError(f"prompt {index} has {len(ids)} tokens; max_model_len is {self.max_model_len} "
+                              f"(a prompt must leave room for at least one new token)")
+        return text, ids
+
+    def _check_same_inputs_across_replica(self, requests: list[Request]) -> None:
+        """Under external_launcher every rank of a replica must schedule the same requests."""
+        from spmd_engine.distributed import get_world_group
+        digest = hashlib.sha256(pickle.dumps([(r.prompt_token_ids, r.params, r.seed) for r in requests]))
+        world = get_world_group()
+        digests = world.all_gather_object(digest.hexdigest()) if hasattr(world, "all_gather_object") \
+            else _all_gather_object(world, digest.hexdigest())
+        pc = self.config.parallel_config
+        first = (world.rank // pc.world_size) * pc.world_size
+        mine = digests[first:first + pc.world_size]
+        if len(set(mine)) != 1:
+            odd = [first + i for i, d in enumerate(mine) if d != mine[0]]
+            raise ConfigError(f"ranks {odd} of this replica passed different prompts or sampling "
+                              f"params than rank {first}; every rank of a replica must pass the same")
+
+    # -- workers ------------------------------------------------------------------
+    def collective_rpc(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None,
+                       unique_reply_rank: int | None = None) -> list[Any]:
+        return self._engine.collective_rpc(method, args, kwargs, unique_reply_rank)
+
+    @property
+    def replica_index(self) -> int:
+        """This process's replica among DP x external-DP replicas (external_launcher)."""
+        pc = self.config.parallel_config
+        if pc.distributed_executor_backend != "external_launcher":
+            return 0
+        from spmd_engine.distributed import get_world_group
+        world = get_world_group()
+        layout = topology.Layout.for_world(world.world_size, tp=pc.tensor_parallel_size,
+                                           pp=pc.pipeline_parallel_size, dp=pc.data_parallel_size)
+        return topology.replica_index(layout, topology.rank_to_coord(layout, world.rank))
+
+    def shutdown(self) -> None:
+        engine, self._engine = getattr(self, "_engine", None), None
+        if engine is not None:
+            engine.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    def __del__(self):
+        try:
+            self.shutdown()
+        except Exception:
+            pass
+
+
+def _all_gather_object(group, obj):
+    import torch.distributed as dist
+    out = [None] * group.world_size
+    dist.all_gather_object(out, obj, group=group.cpu_group)
+    return out
+
+
+def _default_device() -> str:
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _to_output(request: Request, tokenizer) -> RequestOutput:
+    text = tokenizer.decode(request.output_token_ids)
+    completion = CompletionOutput(0, text, list(request.output_token_ids), request.finish_reason,
+                                  request.logprobs)
+    return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids), [completion])

@@ -1,0 +1,44 @@
+"""SamplingParams: how one request's tokens are chosen, validated up front."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from spmd_engine.config import ConfigError
+
+
+@dataclass
+class SamplingParams:
+    """vLLM's names and meanings. temperature 0 is greedy; top_k -1 means no limit.
+
+    `seed` fixes this request's random stream. Left as None, the engine derives
+    it from the engine seed and the prompt's index in the whole input, so a
+    prompt gets the same tokens whichever replica or batch it lands in.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    logprobs: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ConfigError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0 or self.temperature != self.temperature:
+            raise ConfigError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
+            raise ConfigError(f"top_k must be -1 (no limit) or an integer >= 1, got {self.top_k!r}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or self.logprobs < 0):
+            raise ConfigError(f"logprobs must be an integer >= 0, got {self.logprobs!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ConfigError(f"seed must be an integer, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
