@@ -1,3 +1,3 @@
-from spmd_engine.run import main
+from spmd_engine.run import entry
 
-raise SystemExit(main())
+entry()

@@ -126,7 +126,7 @@ def _from_torchrun(environ: Mapping[str, str]) -> LaunchEnv:
 
 
 def _from_slurm(environ: Mapping[str, str]) -> LaunchEnv:
-    world = _int(environ, "SLURM_NTASKS", _int(environ, "SLURM_NPROCS", 0) or None)
+    world = _int(environ, "SLURM_NTASKS" if "SLURM_NTASKS" in environ else "SLURM_NPROCS")
     node_rank = _int(environ, "SLURM_NODEID", 0)
     local_world = None
     if environ.get("SLURM_NTASKS_PER_NODE", "").isdigit():
@@ -170,7 +170,11 @@ def read_launch_env(environ: Mapping[str, str]) -> LaunchEnv | None:
     SLURM_NPROCS), which srun exports to every task.
     """
     if "RANK" in environ and "WORLD_SIZE" in environ:
-        return _from_torchrun(environ)
-    if "SLURM_PROCID" in environ and ("SLURM_NTASKS" in environ or "SLURM_NPROCS" in environ):
-        return _from_slurm(environ)
-    return None
+        env = _from_torchrun(environ)
+    elif "SLURM_PROCID" in environ and ("SLURM_NTASKS" in environ or "SLURM_NPROCS" in environ):
+        env = _from_slurm(environ)
+    else:
+        return None
+    if env.world_size < 1 or not 0 <= env.rank < env.world_size:
+        raise ConfigError(f"{env.source} launch: rank {env.rank} is outside world size {env.world_size}")
+    return env

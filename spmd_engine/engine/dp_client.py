@@ -24,7 +24,8 @@ POLL_S = 0.2
 class DPEngineClient:
     def __init__(self, config: EngineConfig, executor_class, max_model_len: int, eos: int | None):
         dp_size = config.parallel_config.data_parallel_size
-        ctx = mp.get_context("spawn")
+        from spmd_engine.proc_util import mp_context
+        ctx = mp_context()
         self.procs: list[mp.Process] = []
         self.conns = []
         for dp_rank in range(dp_size):

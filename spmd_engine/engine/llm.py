@@ -38,7 +38,8 @@ class LLM:
                  dtype: str | None = None, max_model_len: int | None = None, max_num_seqs: int = 8,
                  enable_expert_parallel: bool = False, pp_partition: str | None = None,
                  device: str | None = None, timeout_s: float | None = None, nnodes: int = 1):
-        from spmd_engine.model.loader import check_model_parallel, read_hf_config
+        from spmd_engine.model.loader import read_hf_config
+        from spmd_engine.model.partition import check_model_parallel, parse_pp_partition
         from spmd_engine.model.tokenizer import load_tokenizer
 
         parallel = ParallelConfig(
@@ -54,9 +55,17 @@ class LLM:
                               "model yet; use spmd_engine.plan to inspect such layouts")
         model_config = ModelConfig(model=model, dtype=dtype, pp_partition=pp_partition)
         self.hf_config = read_hf_config(model_config.model_dir)
-        check_model_parallel(self.hf_config, parallel.tensor_parallel_size,
-                             parallel.pipeline_parallel_size, pp_partition)
-        self.tokenizer = load_tokenizer(model_config.model_dir)
+        source = os.path.join(model_config.model_dir, "config.json")
+        spec = check_model_parallel(self.hf_config, parallel.tensor_parallel_size,
+                                    parallel.pipeline_parallel_size, source=source)
+        partition = pp_partition or os.environ.get("SPMD_ENGINE_PP_PARTITION")
+        if partition:
+            parse_pp_partition(partition, spec.num_layers, parallel.pipeline_parallel_size)
+        try:
+            self.tokenizer = load_tokenizer(model_config.model_dir)
+            self._tokenizer_error = None
+        except ConfigError as exc:  # token-id prompts still work without one
+            self.tokenizer, self._tokenizer_error = None, exc
         limit = min(int(self.hf_config.get("max_position_embeddings", MAX_MODEL_LEN_CAP)), MAX_MODEL_LEN_CAP)
         if max_model_len is not None and max_model_len > int(self.hf_config.get("max_position_embeddings", max_model_len)):
             raise ConfigError(f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
@@ -79,6 +88,8 @@ class LLM:
         pc = self.config.parallel_config
         executor_class = Executor.get_class(self.config)
         eos = getattr(self.tokenizer, "eos_token_id", None)
+        if eos is None:
+            eos = _first_int(self.hf_config.get("eos_token_id"))
         if pc.distributed_executor_backend == "external_launcher" or pc.data_parallel_size == 1:
             from spmd_engine.engine.core import EngineCore
             return EngineCore(self.config, executor_class, self.max_model_len, eos)
@@ -122,6 +133,9 @@ class LLM:
 
     def _encode(self, prompt, index: int) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ConfigError(f"text prompts need a tokenizer: {self._tokenizer_error}; "
+                                  f"give prompt_token_ids instead")
             ids = self.tokenizer.encode(prompt)
             text = prompt
         else:
@@ -199,8 +213,14 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _first_int(value) -> int | None:
+    if isinstance(value, list):
+        value = value[0] if value else None
+    return value if isinstance(value, int) else None
+
+
 def _to_output(request: Request, tokenizer) -> RequestOutput:
-    text = tokenizer.decode(request.output_token_ids)
+    text = tokenizer.decode(request.output_token_ids) if tokenizer is not None else ""
     completion = CompletionOutput(0, text, list(request.output_token_ids), request.finish_reason,
                                   request.logprobs)
     return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids), [completion])

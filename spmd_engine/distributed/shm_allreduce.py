@@ -1,0 +1,242 @@
+"""Intra-node CPU all-reduce through one shared-memory segment per group.
+
+Why: a gloo all-reduce of a small tensor between two local processes costs
+about a millisecond of socket round trips; TP decode does two per layer. Ranks
+on one host can instead write their input into a shared slot, raise a counter,
+wait for everyone's counter and sum the slots themselves (tens of µs).
+
+Protocol. The segment holds one 64-byte counter line per rank, then two
+buffers of one slot per rank. Operation number g (1, 2, ...) writes this rank's
+chunk into buffer g % 2, publishes counter = g, waits until every counter is
+>= g, and sums the slots in rank order (0 + 1 + ... + n-1), so every rank
+produces the same bits. Two alternating buffers make one wait per operation
+enough: a rank can only start operation g + 1 after everyone published g,
+i.e. after everyone finished reading operation g - 1, the last user of the
+buffer it is about to overwrite. Tensors larger than a slot go chunk by chunk.
+
+Stores are ordered by x86's TSO memory model (data before counter), which this
+protocol relies on; on other architectures the gloo path is used instead.
+
+Lifetime. The group's first rank creates the segment under a name with a
+random token (two jobs on one host never collide), the others attach, and the
+creator unlinks the name as soon as everyone has attached, so a crash leaves
+nothing in /dev/shm. The mapping lives until destroy().
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import secrets
+import socket
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "spmd_ar_"
+DISABLE_ENV = "SPMD_ENGINE_DISABLE_SHM_ALLREDUCE"
+DEFAULT_SLOT_BYTES = 1 << 20
+LINE = 64  # one cache line per counter, so ranks do not false-share
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64,
+                    torch.int32, torch.int64)
+_HALF = (torch.bfloat16, torch.float16)
+
+
+class CollectiveError(TimeoutError):
+    """A collective could not complete: a peer is stuck past the timeout, or gone."""
+
+
+def shm_allreduce_enabled() -> bool:
+    """Whether this process may use the shared-memory path at all."""
+    if os.environ.get(DISABLE_ENV, "0") not in ("", "0"):
+        return False
+    return platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir(SHM_DIR)
+
+
+def _process_identity(pid: int) -> str | None:
+    """Start time of a live process (pid reuse cannot fake it); None if gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+class ShmAllReduce:
+    """One group's shared segment; build it with `ShmAllReduce.create` (collective)."""
+
+    def __init__(self, mm: mmap.mmap, name: str, nranks: int, rank: int, slot_bytes: int,
+                 label: str, timeout_s: float, peers: list[tuple[int, str]] | None):
+        self.name, self.nranks, self.rank, self.slot_bytes = name, nranks, rank, slot_bytes
+        self.label, self.timeout_s, self.peers = label, timeout_s, peers
+        self._mm = mm
+        self._bytes = torch.frombuffer(mm, dtype=torch.uint8)
+        self._counters = np.frombuffer(mm, dtype=np.int64, count=nranks * LINE // 8)[:: LINE // 8]
+        self._data_offset = nranks * LINE
+        self._views: dict[tuple[int, torch.dtype, int], list[torch.Tensor]] = {}
+        self._gen = int(self._counters[rank])
+        self.broken: str | None = None
+
+    # ---- construction -------------------------------------------------
+    @classmethod
+    def create(cls, cpu_group, ranks: list[int], label: str, timeout_s: float,
+               slot_bytes: int = DEFAULT_SLOT_BYTES) -> "ShmAllReduce | None":
+        """Collective over `cpu_group`: every member gets a handle, or every member gets None.
+
+        None when a member disabled the path, the members are on different
+        hosts, or the segment cannot be made or attached (e.g. /dev/shm full).
+        """
+        nranks, me = len(ranks), ranks.index(dist.get_rank())
+        info = (socket.gethostname(), shm_allreduce_enabled(), os.getpid(),
+                _process_identity(os.getpid()))
+        infos: list = [None] * nranks
+        dist.all_gather_object(infos, info, group=cpu_group)
+        if len({i[0] for i in infos}) != 1 or not all(i[1] for i in infos):
+            return None
+        size = nranks * LINE + 2 * nranks * slot_bytes
+        name = [cls._make_segment(size) if me == 0 else None]
+        try:
+            dist.broadcast_object_list(name, src=ranks[0], group=cpu_group)
+            if name[0] is None:
+                return None
+            mm = cls._attach(os.path.join(SHM_DIR, name[0]), size)
+            attached: list = [None] * nranks
+            dist.all_gather_object(attached, mm is not None, group=cpu_group)
+        finally:
+            if me == 0 and name[0] is not None:
+                os.unlink(os.path.join(SHM_DIR, name[0]))  # everyone attached, gave up or failed
+        if not all(attached):
+            if mm is not None:
+                mm.close()
+            return None
+        # Watch peers' processes only if we see them as they see themselves (same pid namespace).
+        peers = [(i[2], i[3]) for i in infos]
+        watch = all(ident is not None and _process_identity(pid) == ident for pid, ident in peers)
+        return cls(mm, name[0], nranks, me, slot_bytes, label, timeout_s, peers if watch else None)
+
+    @staticmethod
+    def _attach(path: str, size: int) -> mmap.mmap | None:
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError:
+            return None
+        try:
+            return mmap.mmap(fd, size)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _make_segment(size: int) -> str | None:
+        name = f"{SHM_PREFIX}{os.getpid()}_{secrets.token_hex(8)}"
+        try:
+            fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        except OSError:
+            return None
+        try:
+            os.posix_fallocate(fd, 0, size)  # reserve now: a full tmpfs fails here, not with SIGBUS later
+        except OSError:
+            os.close(fd)
+            os.unlink(os.path.join(SHM_DIR, name))
+            return None
+        os.close(fd)
+        return name
+
+    # ---- the operation ----------------------------------------------
+    def supports(self, t: torch.Tensor) -> bool:
+        return t.device.type == "cpu" and t.dtype in SUPPORTED_DTYPES and self.broken is None
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum `t` over the group, in place, identical bits on every rank; returns `t`."""
+        if self.broken is not None:
+            raise CollectiveError(f"all_reduce on group {self.label} unusable: {self.broken}")
+        work = t if t.is_contiguous() else t.contiguous()
+        flat = work.view(-1)
+        step = self.slot_bytes // flat.element_size()
+        for start in range(0, flat.numel(), step):
+            self._reduce_chunk(flat[start:start + step])
+        if work is not t:
+            t.copy_(work)
+        return t
+
+    def _slots(self, buf: int, dtype: torch.dtype, n: int) -> list[torch.Tensor]:
+        """Every rank's slot in buffer `buf` as `n` elements of `dtype`, cached (sizes repeat)."""
+        key = (buf, dtype, n)
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) > 256:
+                self._views.clear()
+            views = []
+            for rank in range(self.nranks):
+                offset = self._data_offset + (buf * self.nranks + rank) * self.slot_bytes
+                views.append(self._bytes[offset:offset + self.slot_bytes].view(dtype)[:n])
+            self._views[key] = views
+        return views
+
+    def _reduce_chunk(self, chunk: torch.Tensor) -> None:
+        gen = self._gen + 1
+        views = self._slots(gen % 2, chunk.dtype, chunk.numel())
+        views[self.rank].copy_(chunk)
+        self._gen = gen
+        counters = self._counters
+        counters[self.rank] = gen
+        for peer in range(self.nranks):
+            if counters[peer] < gen:
+                self._wait_for(peer, gen)
+        if chunk.dtype in _HALF and self.nranks > 2:
+            # accumulate in fp32, round once: more accurate, still rank-order fixed. (With two
+            # ranks torch's half add below already computes in fp32 and rounds once.)
+            acc = views[0].float()
+            for view in views[1:]:
+                acc.add_(view)
+            chunk.copy_(acc)
+        else:
+            torch.add(views[0], views[1], out=chunk)
+            for view in views[2:]:
+                chunk.add_(view)
+
+    def _wait_for(self, peer: int, gen: int) -> None:
+        """Spin briefly, then yield, then sleep with back-off; fail on timeout or a dead peer."""
+        counters = self._counters
+        for _ in range(200):  # the common case: the peer is a few µs behind
+            if counters[peer] >= gen:
+                return
+        start = time.monotonic()
+        next_check, pause = start + 0.1, 0.0
+        while counters[peer] < gen:
+            now = time.monotonic()
+            if now - start < 0.002:
+                os.sched_yield()
+                continue
+            time.sleep(pause)
+            pause = min(1e-3, pause * 2 or 1e-5)
+            if now >= next_check:
+                next_check = now + 0.1
+                if self.peers and _process_identity(self.peers[peer][0]) != self.peers[peer][1]:
+                    self._fail(f"failed: rank {peer} in group (pid {self.peers[peer][0]}) died")
+                if now - start > self.timeout_s:
+                    self._fail(f"timed out after {self.timeout_s:g}s waiting for rank {peer} in group")
+
+    def _fail(self, why: str) -> None:
+        self.broken = why
+        raise CollectiveError(f"all_reduce on group {self.label} {why} (shared-memory path)")
+
+    # ---- teardown ---------------------------------------------------
+    def destroy(self) -> None:
+        """Drop every view into the mapping, then unmap; safe to call twice."""
+        if self._mm is None:
+            return
+        self._views.clear()
+        self._bytes = self._counters = None
+        try:
+            self._mm.close()
+        except BufferError:  # a caller still holds a view; the OS unmaps at exit
+            pass
+        self._mm = None
+        self.broken = "destroyed"

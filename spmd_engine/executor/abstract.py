@@ -1,0 +1,90 @@
+"""The Executor contract: one engine's way of reaching its workers.
+
+`get_class` runs once in the launching process, and every DP replica's engine
+receives the same class. `collective_rpc` calls a Worker method (by name, or a
+callable taking the worker first) on every worker of this replica and returns
+the replies as a list, or only the `unique_reply_rank`'s reply as a list of one.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Callable
+
+from spmd_engine.config import ConfigError, EngineConfig
+
+
+def run_method(obj: Any, method: str | Callable, args: tuple, kwargs: dict | None) -> Any:
+    """Call `obj.method(*args, **kwargs)`, or `method(obj, *args, **kwargs)` for a callable."""
+    kwargs = kwargs or {}
+    if isinstance(method, str):
+        try:
+            func = getattr(obj, method)
+        except AttributeError:
+            raise AttributeError(f"{type(obj).__name__} has no method {method!r}") from None
+        return func(*args, **kwargs)
+    return method(obj, *args, **kwargs)
+
+
+class Executor(ABC):
+    uses_ray = False
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.parallel_config = config.parallel_config
+        self.is_failed = False
+        self._init_executor()
+
+    @staticmethod
+    def get_class(config: EngineConfig) -> type["Executor"]:
+        backend = config.parallel_config.distributed_executor_backend
+        if isinstance(backend, type):
+            if not issubclass(backend, Executor):
+                raise ConfigError(
+                    f"distributed_executor_backend must be a subclass of Executor, got {backend!r}"
+                )
+            return backend
+        if backend == "mp":
+            from spmd_engine.executor.multiproc import MultiprocExecutor
+            return MultiprocExecutor
+        if backend == "uni":
+            from spmd_engine.executor.uniproc import UniProcExecutor
+            return UniProcExecutor
+        if backend == "external_launcher":
+            from spmd_engine.executor.uniproc import ExecutorWithExternalLauncher
+            return ExecutorWithExternalLauncher
+        raise ConfigError(f"Unknown distributed executor backend: {backend}")
+
+    @abstractmethod
+    def _init_executor(self) -> None:
+        """Start the workers, load the model."""
+
+    @abstractmethod
+    def collective_rpc(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None,
+                       unique_reply_rank: int | None = None, timeout: float | None = None) -> list[Any]:
+        ...
+
+    @property
+    def output_rank(self) -> int:
+        """First TP worker of the last PP stage: the only reply execute_model needs."""
+        return self.parallel_config.output_rank
+
+    def execute_model(self, scheduler_output):
+        return self.collective_rpc("execute_model", (scheduler_output,),
+                                   unique_reply_rank=self.output_rank)[0]
+
+    def sample_tokens(self, grammar_output=None):
+        return self.collective_rpc("sample_tokens", (grammar_output,),
+                                   unique_reply_rank=self.output_rank)[0]
+
+    def determine_num_kv_slots(self, max_num_seqs: int, max_model_len: int) -> int:
+        return min(self.collective_rpc("determine_num_kv_slots", (max_num_seqs, max_model_len)))
+
+    def initialize_kv_cache(self, num_slots: int, max_model_len: int) -> None:
+        self.collective_rpc("initialize_kv_cache", (num_slots, max_model_len))
+
+    def check_health(self) -> None:
+        self.collective_rpc("check_health")
+
+    def shutdown(self) -> None:
+        """Release workers and groups; safe to call twice."""

@@ -1,0 +1,179 @@
+"""MultiprocExecutor: the engine spawns its replica's TP x PP workers and drives them.
+
+Each call is broadcast once through a shared-memory ring (one writer, every
+worker a reader); replies come back on per-worker response queues, and only the
+`unique_reply_rank`'s queue is read when one is named. A monitor thread waits on
+the workers' sentinels: when any worker dies the executor marks itself failed,
+terminates every worker of this replica and shuts its queues, so a blocked call
+raises RuntimeError("cancelled") and a new one raises RuntimeError("Executor
+failed.") -- the behaviour the seed traces in vLLM.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing as mp
+import multiprocessing.connection
+import pickle
+import threading
+import weakref
+from typing import Any, Callable
+
+from spmd_engine import topology
+from spmd_engine.executor.abstract import Executor
+from spmd_engine.executor.shm_queue import MessageQueue
+from spmd_engine.executor.worker_proc import FAILURE, SHUTDOWN, WorkerHandle, start_worker
+
+logger = logging.getLogger("spmd_engine")
+
+
+def _dumps_callable(method: Callable) -> bytes:
+    try:
+        import cloudpickle  # optional: lambdas and closures
+        return cloudpickle.dumps(method, protocol=pickle.HIGHEST_PROTOCOL)
+    except ImportError:
+        return pickle.dumps(method, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+class MultiprocExecutor(Executor):
+    def _init_executor(self) -> None:
+        import torch.distributed as dist
+        pc = self.parallel_config
+        tp, pp, pcp = pc.tensor_parallel_size, pc.pipeline_parallel_size, pc.prefill_context_parallel_size
+        self.world_size = pc.world_size
+        assert self.world_size == tp * pp * pcp, (
+            f"world_size ({self.world_size}) must be equal to the tensor_parallel_size ({tp}) x "
+            f"pipeline_parallel_size ({pp}) x prefill_context_parallel_size ({pcp}). "
+        )
+        self.shutting_down = False
+        self.failure_callback: Callable[[], None] | None = None
+        self.workers: list[WorkerHandle] = []
+        self.response_mqs: list[MessageQueue] = []
+        self.rpc_broadcast_mq = None
+        timeout = self.config.timeout_s
+        # The workers' rendezvous store lives here, on a port the OS picks: no race, no fixed port.
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=timeout))
+        init_method = f"tcp://127.0.0.1:{self._store.port}"
+        dp_rank = pc.data_parallel_rank
+        try:
+            self.rpc_broadcast_mq = MessageQueue.create(self.world_size, label=f"rpc_dp{dp_rank}")
+            layout = topology.Layout(tp=tp, pp=pp, pcp=pcp, dp=pc.data_parallel_size)
+            for local_rank in range(self.world_size):
+                coord = topology.rank_to_coord(layout, dp_rank * self.world_size + local_rank)
+                response_mq = MessageQueue.create(1, reader_index=0, label=f"resp_dp{dp_rank}_r{local_rank}")
+                self.response_mqs.append(response_mq)
+                self.workers.append(start_worker(
+                    self.config, local_rank, init_method, pc.data_parallel_rank_local or 0,
+                    self.rpc_broadcast_mq.handle(), response_mq.handle(),
+                    topology.worker_name(layout, coord)))
+            self._wait_ready(timeout)
+        except BaseException:
+            self.shutdown()
+            raise
+        self._start_worker_monitor()
+
+    def _wait_ready(self, timeout: float) -> None:
+        for w in self.workers:
+            status, detail = w.wait_ready(timeout)
+            if status == FAILURE:
+                raise RuntimeError(f"{w.name} failed to start: {detail}")
+        alive = self._all_alive
+        self.rpc_broadcast_mq.wait_attached(timeout, alive=alive)
+        for mq in self.response_mqs:
+            mq.wait_attached(timeout, alive=alive)
+
+    def _all_alive(self) -> bool:
+        return all(w.proc.is_alive() for w in self.workers)
+
+    def _start_worker_monitor(self) -> None:
+        workers = list(self.workers)
+        self_ref = weakref.ref(self)
+
+        def monitor_workers() -> None:
+            sentinels = [w.proc.sentinel for w in workers]
+            died = multiprocessing.connection.wait(sentinels)
+            _self = self_ref()
+            if not _self or getattr(_self, "shutting_down", False):
+                return
+            _self.is_failed = True
+            dead = next(w for w in workers if w.proc.sentinel in died)
+            logger.error("Worker proc %s (local rank %d, pid %d) died unexpectedly with %s, "
+                         "shutting down executor.", dead.name, dead.local_rank, dead.proc.pid,
+                         _exit_description(dead.proc.exitcode))
+            _self.shutdown()
+            callback = _self.failure_callback
+            if callback is not None:
+                _self.failure_callback = None
+                callback()
+
+        threading.Thread(target=monitor_workers, daemon=True, name="MultiprocWorkerMonitor").start()
+
+    def collective_rpc(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None,
+                       unique_reply_rank: int | None = None, timeout: float | None = None) -> list[Any]:
+        if self.is_failed:
+            raise RuntimeError("Executor failed.")
+        send_method = method if isinstance(method, str) else _dumps_callable(method)
+        timeout = self.config.timeout_s if timeout is None else timeout
+        self.rpc_broadcast_mq.enqueue((send_method, args, kwargs, unique_reply_rank), timeout=timeout)
+        ranks = range(self.world_size) if unique_reply_rank is None else (unique_reply_rank,)
+        results = []
+        for rank in ranks:
+            try:
+                status, result = self.response_mqs[rank].dequeue(timeout=timeout)
+            except TimeoutError:
+                name = method if isinstance(method, str) else getattr(method, "__name__", "callable")
+                raise TimeoutError(f"collective_rpc {name!r}: no reply from worker {rank} of this replica "
+                                   f"within {timeout:g}s") from None
+            if status == FAILURE:
+                raise RuntimeError(f"Worker failed with error '{result}', please check the stack trace "
+                                   f"above for the root cause")
+            results.append(result)
+        return results
+
+    def shutdown(self) -> None:
+        if not getattr(self, "shutting_down", False):
+            self.shutting_down = True
+            grace = 0.0  # a failed replica's survivors sit in collectives: terminate them now
+            if self.rpc_broadcast_mq is not None and not self.is_failed and self._all_alive():
+                try:
+                    self.rpc_broadcast_mq.enqueue((SHUTDOWN, (), None, None), timeout=2)
+                    grace = 5.0
+                except Exception:
+                    pass
+            _ensure_worker_termination([w.proc for w in self.workers], grace)
+            for w in self.workers:
+                w.close()
+        for mq in [self.rpc_broadcast_mq, *self.response_mqs]:
+            if mq is not None:
+                mq.shutdown()
+                mq.close()
+        store, self._store = getattr(self, "_store", None), None
+        del store
+
+
+def _ensure_worker_termination(procs: list[mp.Process], grace_s: float = 5.0) -> None:
+    """Join, then SIGTERM, then SIGKILL: every worker of the replica goes."""
+    import time
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout=2)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=2)
+
+
+def _exit_description(code: int | None) -> str:
+    if code is None:
+        return "unknown status"
+    if code < 0:
+        import signal
+        return f"signal {signal.Signals(-code).name}"
+    return f"exit code {code}"
+

@@ -1,0 +1,105 @@
+"""The body of one mp worker process, and the engine-side handle to it.
+
+A worker attaches to the broadcast queue as its reader and to its own response
+queue as writer, builds its Worker (device, groups, model shard), reports ready
+over a pipe, then serves calls until told to stop or until its engine is gone
+(parent-death signal, plus a liveness check while idle).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import traceback
+from dataclasses import dataclass
+
+from spmd_engine.executor.shm_queue import MessageQueue, MessageQueueHandle, PeerGoneError
+
+SUCCESS, FAILURE = "success", "failure"
+SHUTDOWN = "__shutdown__"
+
+
+@dataclass
+class WorkerHandle:
+    name: str
+    local_rank: int
+    proc: mp.Process
+    ready_conn: object
+
+    def wait_ready(self, timeout: float):
+        """("success", pid) once the worker loaded its shard; ("failure", why) otherwise."""
+        import time
+        deadline = time.monotonic() + timeout
+        while not self.ready_conn.poll(0.1):
+            if not self.proc.is_alive():
+                return FAILURE, f"exited with code {self.proc.exitcode} during start-up"
+            if time.monotonic() > deadline:
+                return FAILURE, f"not ready after {timeout:g}s"
+        try:
+            return self.ready_conn.recv()
+        except EOFError:
+            return FAILURE, "closed its pipe during start-up"
+
+    def close(self) -> None:
+        self.ready_conn.close()
+
+
+def start_worker(config, local_rank: int, init_method: str, dp_local_rank: int,
+                 rpc_handle: MessageQueueHandle, response_handle: MessageQueueHandle, name: str) -> WorkerHandle:
+    from spmd_engine.proc_util import mp_context
+    ctx = mp_context()
+    reader, writer = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=worker_main, name=name, daemon=True,
+                       args=(config, local_rank, init_method, dp_local_rank, rpc_handle,
+                             response_handle, writer, os.getpid(), name))
+    proc.start()
+    writer.close()
+    return WorkerHandle(name, local_rank, proc, reader)
+
+
+def worker_main(config, local_rank, init_method, dp_local_rank, rpc_handle, response_handle,
+                ready_conn, parent_pid, name) -> None:
+    from spmd_engine.executor.abstract import run_method
+    from spmd_engine.proc_util import die_with_parent, set_process_title
+    from spmd_engine.worker import Worker
+    set_process_title(name)
+    die_with_parent(parent_pid)
+    rpc = MessageQueue.attach(rpc_handle, reader_index=local_rank)
+    response = MessageQueue.attach_writer(response_handle)
+    worker = None
+    try:
+        worker = Worker(config, local_rank=local_rank, rank=local_rank, distributed_init_method=init_method,
+                        dp_local_rank=dp_local_rank)
+        worker.init_device()
+        worker.load_model()
+    except BaseException as exc:
+        traceback.print_exc()
+        ready_conn.send((FAILURE, f"{type(exc).__name__}: {exc}"))
+        return
+    ready_conn.send((SUCCESS, os.getpid()))
+
+    def engine_alive() -> bool:
+        return os.getppid() == parent_pid
+
+    try:
+        while True:
+            try:
+                method, args, kwargs, reply_rank = rpc.dequeue(alive=engine_alive)
+            except (PeerGoneError, EOFError, RuntimeError):
+                return
+            if method == SHUTDOWN:
+                return
+            if isinstance(method, bytes):
+                method = pickle.loads(method)
+            try:
+                status, result = SUCCESS, run_method(worker, method, args, kwargs)
+            except Exception as exc:
+                traceback.print_exc()
+                status, result = FAILURE, f"{type(exc).__name__}: {exc}"
+            if reply_rank is None or reply_rank == local_rank:
+                response.enqueue((status, result), alive=engine_alive)
+    finally:
+        worker.shutdown()
+        rpc.close()
+        response.close()

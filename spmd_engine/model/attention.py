@@ -1,0 +1,126 @@
+"""Attention over a slot-addressed KV cache, with torch SDPA.
+
+The cache of one layer is two tensors [num_slots, kv_heads, max_model_len,
+head_dim]; a sequence owns one slot for its lifetime and its token at position
+p lives at [slot, :, p]. One step's batch is right-padded to T tokens and
+described by `AttentionMetadata`; mixed batches (some rows prefilling many
+tokens, others decoding one) go through the same vectorised path, with no
+Python loop over sequences: scatter the valid new K/V, gather each row's
+cached prefix, attend under a position mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class CachePlan:
+    """Index tensors derived once per step and shared by every layer."""
+
+    valid: torch.Tensor  # [B, T] bool: token t of row b is real (t < query_len)
+    write_slots: torch.Tensor  # [N] slot of each real token
+    write_positions: torch.Tensor  # [N] its position in the cache
+    mask: torch.Tensor  # [B, T, L] bool: query t may attend cached key j
+    kv_len: int  # L: longest cached prefix after this step's writes
+
+
+@dataclass
+class AttentionMetadata:
+    """What the model needs to know about the cache for one forward step.
+
+    slots[b]: the KV cache slot of row b; context_lens[b]: tokens of that
+    sequence already cached before this step; query_lens[b]: its new tokens this
+    step (<= T; the input is right-padded). New K/V go to
+    cache[slot, :, context_len : context_len + query_len], and the query at
+    position p attends its own sequence's cached keys at positions <= p.
+    """
+
+    slots: torch.Tensor
+    context_lens: torch.Tensor
+    query_lens: torch.Tensor
+    _plan: CachePlan | None = field(default=None, init=False, repr=False, compare=False)
+
+    def plan(self, num_tokens: int) -> CachePlan:
+        if self._plan is None or self._plan.valid.shape[1] != num_tokens:
+            self._plan = _build_plan(self.slots, self.context_lens, self.query_lens, num_tokens)
+        return self._plan
+
+
+def _build_plan(slots: torch.Tensor, context_lens: torch.Tensor, query_lens: torch.Tensor, T: int) -> CachePlan:
+    device = slots.device
+    steps = torch.arange(T, device=device)
+    valid = steps.unsqueeze(0) < query_lens.unsqueeze(1)
+    positions = context_lens.unsqueeze(1) + steps.unsqueeze(0)  # [B, T]
+    kv_len = int((context_lens + query_lens).max()) if slots.numel() else 0
+    keys = torch.arange(kv_len, device=device)
+    mask = keys.view(1, 1, -1) <= positions.unsqueeze(-1)  # [B, T, L]; padded rows see >= key 0
+    return CachePlan(
+        valid=valid,
+        write_slots=slots.unsqueeze(1).expand_as(positions)[valid],
+        write_positions=positions[valid],
+        mask=mask,
+        kv_len=kv_len,
+    )
+
+
+class Attention(nn.Module):
+    """Multi-head / grouped-query attention for this rank's heads, owning its cache.
+
+    q: [B, T, num_heads, D], k and v: [B, T, num_kv_heads, D] (after RoPE).
+    With `attn=None` there is no cache: plain causal attention within each row
+    (training, references). Returns [B, T, num_heads * D].
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} KV heads evenly")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def allocate_kv_cache(self, num_slots: int, max_model_len: int, dtype: torch.dtype, device) -> None:
+        shape = (num_slots, self.num_kv_heads, max_model_len, self.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttentionMetadata | None):
+        B, T = q.shape[:2]
+        if attn is None:
+            out = self._causal(q, k, v)
+        else:
+            out = self._cached(q, k, v, attn.plan(T), attn.slots)
+        return out.reshape(B, T, self.num_heads * self.head_dim)
+
+    def _causal(self, q, k, v) -> torch.Tensor:
+        group = self.num_heads // self.num_kv_heads
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # [B, heads, T, D]
+        if group > 1:
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        return out.transpose(1, 2)
+
+    def _cached(self, q, k, v, plan: CachePlan, slots: torch.Tensor) -> torch.Tensor:
+        if self.k_cache is None:
+            raise RuntimeError("KV cache not allocated: call model.allocate_kv_cache(num_slots, max_model_len)")
+        self.k_cache[plan.write_slots, :, plan.write_positions] = k[plan.valid]
+        self.v_cache[plan.write_slots, :, plan.write_positions] = v[plan.valid]
+        keys = self.k_cache[slots, :, : plan.kv_len]  # [B, kv_heads, L, D]
+        values = self.v_cache[slots, :, : plan.kv_len]
+        # Grouped-query attention without copying K/V per query head: fold the
+        # query heads sharing a KV head into the token axis, [B, kv, group*T, D].
+        B, T = q.shape[:2]
+        group = self.num_heads // self.num_kv_heads
+        q = q.permute(0, 2, 1, 3).reshape(B, self.num_kv_heads, group * T, self.head_dim)
+        mask = plan.mask.unsqueeze(1).unsqueeze(1).expand(B, 1, group, T, plan.kv_len)
+        mask = mask.reshape(B, 1, group * T, plan.kv_len)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
+        return out.reshape(B, self.num_heads, T, self.head_dim).transpose(1, 2)

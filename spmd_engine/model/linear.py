@@ -1,0 +1,180 @@
+"""Tensor-parallel linear layers (Megatron style), one class per way of cutting.
+
+Each layer takes its TP group explicitly, allocates only its own shard, and
+owns the `weight_loader` that knows which rows or columns of a checkpoint
+tensor that shard is. Parameters do not require grad by default: the KV cache
+is written in place, and an autograd graph there would chain every step.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from spmd_engine.model.shard import (
+    Loaded,
+    check_shape,
+    copy_into,
+    divide,
+    read_all,
+    read_range,
+)
+
+
+def _param(*shape: int, dtype: torch.dtype | None) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W's output rows split over the group.
+
+    Each rank computes its slice of the output features; no communication
+    unless `gather_output`, because the usual consumer (attention heads, the
+    SwiGLU product, a RowParallelLinear) works on the slice directly.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        group,
+        bias: bool = False,
+        gather_output: bool = False,
+        dtype: torch.dtype | None = None,
+    ):
+        super().__init__()
+        self.group = group
+        self.tp_size = group.world_size
+        self.tp_rank = group.rank_in_group
+        self.input_size = input_size
+        self.output_size = output_size
+        self.output_size_per_rank = divide(output_size, self.tp_size, "output size")
+        self.gather_output = gather_output
+        self.weight = _param(self.output_size_per_rank, input_size, dtype=dtype)
+        self.bias = _param(self.output_size_per_rank, dtype=dtype) if bias else None
+
+    def extra_repr(self) -> str:
+        return f"in={self.input_size}, out_per_rank={self.output_size_per_rank}, tp={self.tp_size}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return self.group.all_gather(y, dim=-1) if self.gather_output else y
+
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id=None) -> None:
+        """Rows [rank * n, (rank + 1) * n) of the full weight (or bias)."""
+        full = (self.output_size,) + tuple(param.shape[1:])
+        check_shape(loaded, full, type(self).__name__)
+        n = self.output_size_per_rank
+        copy_into(param.data, read_range(loaded, 0, self.tp_rank * n, (self.tp_rank + 1) * n))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel matrices stored as one (SwiGLU's gate and up).
+
+    The local weight is [shard of matrix 0; shard of matrix 1; ...], so one
+    matmul serves all of them; `shard_id` says which checkpoint matrix is being
+    loaded.
+    """
+
+    def __init__(self, input_size: int, output_sizes: Sequence[int], group, bias: bool = False,
+                 dtype: torch.dtype | None = None):
+        self.output_sizes = list(output_sizes)
+        super().__init__(input_size, sum(self.output_sizes), group, bias=bias, dtype=dtype)
+        self.local_sizes = [divide(s, self.tp_size, "merged output size") for s in self.output_sizes]
+
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: int = None) -> None:
+        if shard_id is None or not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(f"MergedColumnParallelLinear needs shard_id in 0..{len(self.output_sizes) - 1}")
+        check_shape(loaded, (self.output_sizes[shard_id],) + tuple(param.shape[1:]), f"merged part {shard_id}")
+        n = self.local_sizes[shard_id]
+        offset = sum(self.local_sizes[:shard_id])
+        shard = read_range(loaded, 0, self.tp_rank * n, (self.tp_rank + 1) * n)
+        copy_into(param.data[offset : offset + n], shard)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Q, K and V projections in one matrix, split by attention heads.
+
+    Query heads are divided evenly. Key/value heads too when there are at least
+    as many as ranks; when TP exceeds num_kv_heads each rank holds one KV head,
+    replicated on tp / num_kv_heads ranks (as vLLM does), and it is the KV head
+    that this rank's query heads use under grouped-query attention.
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, group,
+                 bias: bool = False, dtype: torch.dtype | None = None):
+        tp = group.world_size
+        self.head_dim = head_dim
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.num_heads_per_rank = divide(num_heads, tp, "num_attention_heads")
+        if tp >= num_kv_heads:
+            divide(tp, num_kv_heads, "tensor parallel size (KV head replication)")
+            self.num_kv_heads_per_rank = 1
+            self.kv_head_start = group.rank_in_group // (tp // num_kv_heads)
+        else:
+            self.num_kv_heads_per_rank = divide(num_kv_heads, tp, "num_key_value_heads")
+            self.kv_head_start = group.rank_in_group * self.num_kv_heads_per_rank
+        self.q_size = self.num_heads_per_rank * head_dim
+        self.kv_size = self.num_kv_heads_per_rank * head_dim
+        # The local output is q_size + 2 * kv_size; expressed as a "global" size
+        # so the parent allocates exactly that shard.
+        super().__init__(hidden_size, (self.q_size + 2 * self.kv_size) * tp, group, bias=bias, dtype=dtype)
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: str = None) -> None:
+        rest = tuple(param.shape[1:])
+        d = self.head_dim
+        if shard_id == "q":
+            check_shape(loaded, (self.num_heads * d,) + rest, "q_proj")
+            start, offset, size = self.tp_rank * self.q_size, 0, self.q_size
+        elif shard_id in ("k", "v"):
+            check_shape(loaded, (self.num_kv_heads * d,) + rest, f"{shard_id}_proj")
+            start = self.kv_head_start * d
+            offset = self.q_size + (0 if shard_id == "k" else self.kv_size)
+            size = self.kv_size
+        else:
+            raise ValueError(f"QKVParallelLinear needs shard_id 'q', 'k' or 'v', got {shard_id!r}")
+        copy_into(param.data[offset : offset + size], read_range(loaded, 0, start, start + size))
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W's input columns split over the group.
+
+    The input arrives already split (the output of a column-parallel layer);
+    each rank's partial product is summed by an all-reduce. The bias is added
+    once, after the reduce, so it is not counted tp times.
+    """
+
+    def __init__(self, input_size: int, output_size: int, group, bias: bool = False,
+                 dtype: torch.dtype | None = None):
+        super().__init__()
+        self.group = group
+        self.tp_size = group.world_size
+        self.tp_rank = group.rank_in_group
+        self.input_size = input_size
+        self.output_size = output_size
+        self.input_size_per_rank = divide(input_size, self.tp_size, "input size")
+        self.weight = _param(output_size, self.input_size_per_rank, dtype=dtype)
+        self.bias = _param(output_size, dtype=dtype) if bias else None
+
+    def extra_repr(self) -> str:
+        return f"in_per_rank={self.input_size_per_rank}, out={self.output_size}, tp={self.tp_size}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.group.all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y
+
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id=None) -> None:
+        if param.dim() == 1:  # the bias: replicated
+            check_shape(loaded, (self.output_size,), "row-parallel bias")
+            copy_into(param.data, read_all(loaded))
+            return
+        check_shape(loaded, (self.output_size, self.input_size), "RowParallelLinear")
+        n = self.input_size_per_rank
+        copy_into(param.data, read_range(loaded, 1, self.tp_rank * n, (self.tp_rank + 1) * n))

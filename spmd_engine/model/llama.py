@@ -1,0 +1,220 @@
+"""Llama-family causal LM (Llama, Mistral, Qwen2), one pipeline stage of it.
+
+One class serves the three architectures: they differ only in which
+projections carry a bias, read from config.json by ModelSpec. A rank builds
+only its stage: stage 0 owns the embedding, the last stage the final norm and
+the LM head (for tied embeddings the last stage loads the embedding matrix as
+its head), and every stage owns its layers' TP shards. Parameter names match
+HF checkpoints except the fused `qkv_proj` / `gate_up_proj`, which
+`checkpoint_tensors` maps back to the separate HF tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+from torch import nn
+
+from spmd_engine.config import ConfigError
+from spmd_engine.model.attention import Attention, AttentionMetadata
+from spmd_engine.model.embedding import ParallelLMHead, VocabParallelEmbedding
+from spmd_engine.model.linear import QKVParallelLinear, RowParallelLinear
+from spmd_engine.model.mlp import SwiGLUMLP
+from spmd_engine.model.norm import RMSNorm
+from spmd_engine.model.partition import check_model_parallel, pp_layer_range
+from spmd_engine.model.rotary import RotaryEmbedding
+from spmd_engine.model.shard import Loaded
+from spmd_engine.model.spec import ModelSpec
+
+# Our fused parameter -> the HF tensors it is made of, with each one's shard_id.
+FUSED_PARAMETERS = {
+    "qkv_proj": (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")),
+    "gate_up_proj": (("gate_proj", 0), ("up_proj", 1)),
+}
+
+
+class WeightLoadError(ValueError):
+    """A checkpoint tensor that does not fit the model (names the tensor)."""
+
+    def __init__(self, tensor_name: str, reason: str):
+        super().__init__(f"tensor {tensor_name}: {reason}")
+        self.tensor_name = tensor_name
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, spec: ModelSpec, tp_group, dtype: torch.dtype):
+        super().__init__()
+        self.head_dim = spec.head_dim
+        self.qkv_proj = QKVParallelLinear(spec.hidden_size, spec.head_dim, spec.num_heads, spec.num_kv_heads,
+                                          tp_group, bias=spec.qkv_bias, dtype=dtype)
+        self.o_proj = RowParallelLinear(spec.num_heads * spec.head_dim, spec.hidden_size, tp_group,
+                                        bias=spec.o_bias, dtype=dtype)
+        self.rotary_emb = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling)
+        self.attn = Attention(self.qkv_proj.num_heads_per_rank, self.qkv_proj.num_kv_heads_per_rank,
+                              spec.head_dim, spec.head_dim ** -0.5)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, attn: AttentionMetadata | None):
+        B, T = hidden.shape[:2]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        q, k, v = (x.view(B, T, -1, self.head_dim) for x in (q, k, v))
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, attn))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block; the residual stream travels beside the hidden state."""
+
+    def __init__(self, spec: ModelSpec, tp_group, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype)
+        self.self_attn = LlamaAttention(spec, tp_group, dtype)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype)
+        self.mlp = SwiGLUMLP(spec.hidden_size, spec.intermediate_size, tp_group, bias=spec.mlp_bias, dtype=dtype)
+
+    def forward(self, positions, hidden, residual, attn):
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, attn)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    """The `model.` prefix of HF checkpoints: embedding, this stage's layers, norm."""
+
+    def __init__(self, spec: ModelSpec, tp_group, layer_range: tuple[int, int], first: bool, last: bool,
+                 dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = (VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp_group, dtype=dtype)
+                             if first else None)
+        # Keyed by the global layer index so parameter names match the checkpoint.
+        self.layers = nn.ModuleDict(
+            {str(i): LlamaDecoderLayer(spec, tp_group, dtype) for i in range(*layer_range)}
+        )
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype) if last else None
+
+
+class CausalLM(nn.Module):
+    """One rank's part of a Llama-family model: its PP stage, its TP shard.
+
+    Built from a HF config dict; parameters are allocated but not initialised
+    (use `load_model`, or `load_weights`). `forward` runs this stage: the first
+    stage embeds `input_ids`, later stages continue from `intermediate`; a
+    non-last stage returns {"hidden_states", "residual"} for the next stage,
+    the last returns {"hidden_states"} after the final norm, which
+    `compute_logits` turns into full-vocabulary float32 logits.
+    """
+
+    def __init__(self, hf_config: Mapping[str, Any], tp_group, pp_group, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu", pp_partition: str | None = None):
+        super().__init__()
+        spec = check_model_parallel(hf_config, tp_group.world_size, pp_group.world_size)
+        self.spec = spec
+        self.tp_group = tp_group
+        self.pp_group = pp_group
+        self.is_first_stage = pp_group.is_first_rank
+        self.is_last_stage = pp_group.is_last_rank
+        self.start_layer, self.end_layer = pp_layer_range(spec.num_layers, pp_group.rank_in_group,
+                                                          pp_group.world_size, pp_partition)
+        with torch.device(device):
+            self.model = LlamaModel(spec, tp_group, (self.start_layer, self.end_layer),
+                                    self.is_first_stage, self.is_last_stage, dtype)
+            self.lm_head = (ParallelLMHead(spec.vocab_size, spec.hidden_size, tp_group, dtype=dtype)
+                            if self.is_last_stage else None)
+        self.tie_weights()
+
+    # ---- shape facts the worker needs to size the KV cache ----
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    @property
+    def num_kv_heads_per_rank(self) -> int:
+        return self._attention_layers()[0].num_kv_heads
+
+    def _attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers.values()]
+
+    def kv_cache_bytes(self, num_slots: int, max_model_len: int) -> int:
+        per_layer = 2 * num_slots * self.num_kv_heads_per_rank * max_model_len * self.spec.head_dim
+        return per_layer * len(self.model.layers) * self.dtype.itemsize
+
+    def allocate_kv_cache(self, num_slots: int, max_model_len: int) -> None:
+        """Per layer K and V: [num_slots, kv_heads_per_rank, max_model_len, head_dim], zeroed."""
+        window = self.spec.sliding_window
+        if window is not None and max_model_len > window:
+            raise ConfigError(
+                f"max_model_len {max_model_len} exceeds this model's sliding_window {window}; "
+                f"sliding-window attention is not implemented, use --max-model-len <= {window}"
+            )
+        for attention in self._attention_layers():
+            attention.allocate_kv_cache(num_slots, max_model_len, self.dtype, self.device)
+
+    # ---- compute ----
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, attn: AttentionMetadata | None,
+                intermediate: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        if self.is_first_stage:
+            hidden, residual = self.model.embed_tokens(input_ids), None
+        else:
+            if intermediate is None:
+                raise ValueError("a later pipeline stage needs `intermediate` from the previous stage")
+            hidden, residual = intermediate["hidden_states"], intermediate["residual"]
+        for layer in self.model.layers.values():
+            hidden, residual = layer(positions, hidden, residual, attn)
+        if not self.is_last_stage:
+            return {"hidden_states": hidden, "residual": residual}
+        hidden, _ = self.model.norm(hidden, residual)
+        return {"hidden_states": hidden}
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, H] final hidden states -> [N, vocab_size] float32, identical on every TP rank."""
+        if self.lm_head is None:
+            raise RuntimeError("compute_logits runs on the last pipeline stage only")
+        return self.lm_head.compute_logits(hidden)
+
+    # ---- weights ----
+    def tie_weights(self) -> None:
+        """Share the embedding with the head when both live here (again after to_empty)."""
+        if self.spec.tie_word_embeddings and self.is_first_stage and self.is_last_stage:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def materialize(self, device: str | torch.device) -> "CausalLM":
+        """Meta-device skeleton -> uninitialised shard-sized storage on `device`."""
+        self.to_empty(device=device)
+        self.tie_weights()
+        return self
+
+    def checkpoint_tensors(self) -> Iterator[tuple[str, str, Any]]:
+        """(HF tensor name, our parameter name, shard_id) for every tensor this rank needs."""
+        for name, _ in self.named_parameters():
+            if name == "lm_head.weight" and self.spec.tie_word_embeddings:
+                yield "model.embed_tokens.weight", name, None
+                continue
+            fused = next((f for f in FUSED_PARAMETERS if f".{f}." in name), None)
+            if fused is None:
+                yield name, name, None
+                continue
+            for part, shard_id in FUSED_PARAMETERS[fused]:
+                yield name.replace(f".{fused}.", f".{part}."), name, shard_id
+
+    def load_weights(self, fetch: Callable[[str], Loaded]) -> None:
+        """Fill every parameter through its owning layer's weight_loader.
+
+        `fetch(hf_name)` returns a tensor or a lazy safetensors slice; the
+        layer reads only its shard from it.
+        """
+        for tensor_name, param_name, shard_id in self.checkpoint_tensors():
+            module_name, _, attr = param_name.rpartition(".")
+            module = self.get_submodule(module_name)
+            loaded = fetch(tensor_name)
+            try:
+                module.weight_loader(getattr(module, attr), loaded, shard_id)
+            except ValueError as exc:
+                raise WeightLoadError(tensor_name, str(exc)) from None

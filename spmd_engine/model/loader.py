@@ -1,0 +1,125 @@
+"""Load one rank's shard of a HF-format checkpoint (config.json + *.safetensors).
+
+The model is built on the meta device (no memory), given storage only for this
+rank's shard, and filled tensor by tensor from lazily opened safetensors
+files: `get_slice` reads just the rows or columns this rank owns, and tensors
+of other pipeline stages are never touched. So a rank's peak memory while
+loading stays close to its own shard, however large the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from spmd_engine.config import ConfigError
+from spmd_engine.model.llama import CausalLM, WeightLoadError
+from spmd_engine.model.partition import check_model_parallel
+
+BUNDLED_MODEL_DIR = Path(__file__).resolve().parent.parent / "bundled"
+INDEX_FILE = "model.safetensors.index.json"
+DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+          "float16": torch.float16, "half": torch.float16}
+
+
+def read_hf_config(model_dir: str | os.PathLike) -> dict[str, Any]:
+    """config.json as a dict, or a ConfigError naming the file (and the line of bad JSON)."""
+    path = Path(model_dir) / "config.json"
+    if not Path(model_dir).is_dir():
+        what = "is not a directory" if Path(model_dir).exists() else "does not exist"
+        raise ConfigError(f"model directory {model_dir} {what}")
+    if not path.is_file():
+        raise ConfigError(f"{path} not found: a model directory needs a HF config.json")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read: {exc}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path}: expected a JSON object at the top level")
+    return config
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, hf_config: dict[str, Any], device: str | torch.device) -> torch.dtype:
+    """Explicit dtype wins; otherwise float32 on CPU (half-precision checkpoints
+    are cast up: CPU matmuls in bf16 are slow and less exact) and the
+    checkpoint's own dtype on accelerators."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in (None, "auto"):
+        if dtype not in DTYPES:
+            raise ConfigError(f"unsupported dtype {dtype!r} (choose from {', '.join(sorted(DTYPES))}, auto)")
+        return DTYPES[dtype]
+    if torch.device(device).type == "cpu":
+        return torch.float32
+    configured = hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"
+    return DTYPES.get(str(configured).replace("torch.", ""), torch.float32)
+
+
+def checkpoint_files(model_dir: Path) -> dict[str, Path]:
+    """Tensor name -> file, from the index json (sharded) or the single file's header."""
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ConfigError(f"{index}: not a valid safetensors index ({exc})") from None
+        return {name: model_dir / file for name, file in weight_map.items()}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"no *.safetensors files in {model_dir}")
+    mapping: dict[str, Path] = {}
+    for file in files:
+        with _open(file) as handle:
+            mapping.update(dict.fromkeys(handle.keys(), file))
+    return mapping
+
+
+def _open(file: Path):
+    if not file.is_file():
+        raise ConfigError(f"checkpoint file {file} not found")
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise ConfigError(f"checkpoint file {file} is not a readable safetensors file: {exc}") from None
+
+
+def load_model(model_dir: str | os.PathLike | None, tp_group, pp_group, dtype: str | torch.dtype | None = None,
+               device: str | torch.device = "cpu", pp_partition: str | None = None) -> CausalLM:
+    """This rank's CausalLM with its shard of the weights (model_dir None: the bundled model)."""
+    model_dir = Path(model_dir) if model_dir is not None else BUNDLED_MODEL_DIR
+    hf_config = read_hf_config(model_dir)
+    check_model_parallel(hf_config, tp_group.world_size, pp_group.world_size, source=str(model_dir / "config.json"))
+    torch_dtype = resolve_dtype(dtype, hf_config, device)
+    files = checkpoint_files(model_dir)
+    model = CausalLM(hf_config, tp_group, pp_group, dtype=torch_dtype, device="meta", pp_partition=pp_partition)
+    model.materialize(device)
+    with ExitStack() as stack:
+        handles: dict[Path, Any] = {}
+
+        def fetch(name: str):
+            file = files.get(name)
+            if file is None:
+                where = model_dir / INDEX_FILE if (model_dir / INDEX_FILE).is_file() else model_dir
+                raise ConfigError(f"tensor {name} not found in checkpoint {where}")
+            if file not in handles:
+                handles[file] = stack.enter_context(_open(file))
+            try:
+                return handles[file].get_slice(name)
+            except (SafetensorError, KeyError) as exc:
+                raise ConfigError(f"tensor {name} not readable from {file}: {exc}") from None
+
+        try:
+            model.load_weights(fetch)
+        except WeightLoadError as exc:
+            raise ConfigError(f"{exc} (in {files.get(exc.tensor_name)})") from None
+        except SafetensorError as exc:
+            raise ConfigError(f"checkpoint in {model_dir} is corrupt: {exc}") from None
+    return model

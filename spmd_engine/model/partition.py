@@ -1,0 +1,95 @@
+"""Which ranks hold which part of the model, checked before any collective.
+
+`check_model_parallel` is the gate between a user's sizes and a launch: every
+rule a TP/PP layout can break for a given checkpoint gives one clear line here,
+instead of a shape error inside a collective on some rank. `pp_layer_range`
+places decoder layers on pipeline stages exactly as vLLM's `get_pp_indices`:
+even split, remainder layers one each to the stages before the last (the last
+stage also carries the final norm and LM head), counted from the second-to-last
+stage backwards; a partition string (argument or SPMD_ENGINE_PP_PARTITION)
+overrides it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping, Sequence
+
+from spmd_engine.config import ConfigError
+from spmd_engine.model.spec import ModelSpec
+
+PP_PARTITION_ENV = "SPMD_ENGINE_PP_PARTITION"
+
+
+def check_model_parallel(hf_config: Mapping[str, Any], tp: int, pp: int, source: str = "config.json") -> ModelSpec:
+    """Raise ConfigError unless this model can be cut into TP x PP; returns its spec."""
+    spec = ModelSpec.from_hf_config(hf_config, source)
+    if spec.num_heads % tp:
+        raise ConfigError(
+            f"tensor_parallel_size {tp} must divide num_attention_heads {spec.num_heads} of this model"
+        )
+    kv = spec.num_kv_heads
+    if kv % tp and tp % kv:
+        raise ConfigError(
+            f"tensor_parallel_size {tp} and num_key_value_heads {kv} of this model must divide one another"
+        )
+    if spec.intermediate_size % tp:
+        raise ConfigError(
+            f"tensor_parallel_size {tp} must divide intermediate_size {spec.intermediate_size} of this model"
+        )
+    if pp > spec.num_layers:
+        raise ConfigError(
+            f"pipeline_parallel_size {pp} exceeds num_hidden_layers {spec.num_layers} of this model "
+            f"(every stage needs at least one layer)"
+        )
+    return spec
+
+
+def parse_pp_partition(partition: str | Sequence[int], num_layers: int, pp_size: int,
+                       what: str = "pipeline partition") -> list[int]:
+    """'3,3,2' -> [3, 3, 2], validated against the model and the PP size."""
+    if isinstance(partition, str):
+        try:
+            counts = [int(part) for part in partition.split(",")]
+        except ValueError:
+            raise ConfigError(f"{what} {partition!r} is not a comma-separated list of integers") from None
+    else:
+        counts = [int(part) for part in partition]
+    if len(counts) != pp_size:
+        raise ConfigError(f"{what} {partition!r} has {len(counts)} entries but pipeline_parallel_size is {pp_size}")
+    if any(count < 1 for count in counts):
+        raise ConfigError(f"{what} {partition!r}: every stage needs at least 1 layer")
+    if sum(counts) != num_layers:
+        raise ConfigError(f"{what} {partition!r} sums to {sum(counts)} but the model has {num_layers} layers")
+    return counts
+
+
+def default_pp_partition(num_layers: int, pp_size: int) -> list[int]:
+    """vLLM's placement: even split; the remainder goes one layer each to the
+    stages just before the last (second-to-last first), so the first and last
+    stages, which also hold the embedding and the head, get extras last."""
+    counts = [num_layers // pp_size] * pp_size
+    for i in range(2, num_layers % pp_size + 2):
+        counts[-i] += 1
+    return counts
+
+
+def pp_layer_range(num_layers: int, pp_rank: int, pp_size: int,
+                   partition: str | Sequence[int] | None = None) -> tuple[int, int]:
+    """[start, end) of the decoder layers on stage `pp_rank`.
+
+    `partition` (or, when None, the SPMD_ENGINE_PP_PARTITION environment
+    variable) overrides the default placement.
+    """
+    if not 0 <= pp_rank < pp_size:
+        raise ValueError(f"pp_rank {pp_rank} outside 0..{pp_size - 1}")
+    if pp_size > num_layers:
+        raise ConfigError(f"pipeline_parallel_size {pp_size} exceeds num_hidden_layers {num_layers}")
+    if partition is None and os.environ.get(PP_PARTITION_ENV):
+        counts = parse_pp_partition(os.environ[PP_PARTITION_ENV], num_layers, pp_size, PP_PARTITION_ENV)
+    elif partition is not None:
+        counts = parse_pp_partition(partition, num_layers, pp_size)
+    else:
+        counts = default_pp_partition(num_layers, pp_size)
+    start = sum(counts[:pp_rank])
+    return start, start + counts[pp_rank]

@@ -1,0 +1,84 @@
+"""Rotary position embedding (RoPE) as HF Llama applies it.
+
+Rotates the two halves of each head (the "rotate_half" layout HF checkpoints
+are trained with). Frequencies come from `rope_theta`; `rope_scaling` may
+stretch them, with type `linear` (every frequency / factor) or `llama3`
+(Llama 3.1's band-wise rescaling: low frequencies / factor, high ones kept,
+a smooth blend between). cos/sin are computed from the positions each call,
+so there is no table to size, to place on a device, or to outgrow.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    return 1.0 / (theta ** exponents)
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, scaling: Mapping[str, Any]) -> torch.Tensor:
+    """Llama 3.1: wavelengths longer than the original context / low_freq_factor
+    are stretched by `factor`, shorter than context / high_freq_factor kept,
+    and the band between interpolated linearly in context / wavelength."""
+    factor = float(scaling["factor"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    context = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > context / low, inv_freq / factor, inv_freq)
+    blend = (context / wavelen - low) / (high - low)
+    smoothed = (1 - blend) * scaled / factor + blend * scaled
+    middle = (wavelen >= context / high) & (wavelen <= context / low)
+    return torch.where(middle, smoothed, scaled)
+
+
+def rope_type_of(scaling: Mapping[str, Any] | None) -> str:
+    if not scaling:
+        return "default"
+    return str(scaling.get("rope_type", scaling.get("type", "default")))
+
+
+def inv_frequencies(head_dim: int, theta: float, scaling: Mapping[str, Any] | None = None) -> torch.Tensor:
+    inv_freq = default_inv_freq(head_dim, theta)
+    kind = rope_type_of(scaling)
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        return llama3_inv_freq(inv_freq, scaling)
+    if kind != "default":
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    return inv_freq
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to q and k of shape [..., T, heads, head_dim] given positions [..., T]."""
+
+    def __init__(self, head_dim: int, theta: float = 10000.0, scaling: Mapping[str, Any] | None = None):
+        super().__init__()
+        self.head_dim = head_dim
+        self._inv_freq = inv_frequencies(head_dim, theta, scaling)  # float32, CPU, not a parameter
+        self._on_device: dict[torch.device, torch.Tensor] = {}
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = self._on_device.get(positions.device)
+        if inv_freq is None:
+            inv_freq = self._on_device.setdefault(positions.device, self._inv_freq.to(positions.device))
+        angles = positions.float().unsqueeze(-1) * inv_freq  # [..., T, head_dim / 2]
+        angles = torch.cat((angles, angles), dim=-1).unsqueeze(-2)  # [..., T, 1, head_dim]
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos, sin = self.cos_sin(positions, q.dtype)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

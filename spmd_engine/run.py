@@ -1,0 +1,199 @@
+"""`python -m spmd_engine.run`: generate for a list of prompts, alone or under a launcher.
+
+Under torchrun or srun every process runs this same file: it finds its replica
+from its global rank, generates its share of the prompts, and global rank 0
+gathers every replica's results and writes them once, in input order. Without
+a launcher, LLM does the same with its own processes (mp) or in this one (uni).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+
+from spmd_engine import topology
+from spmd_engine.cli_args import EXIT_USAGE, UsageParser, add_parallel_args
+from spmd_engine.config import DTYPES, ConfigError, launched_by_torchrun
+from spmd_engine.prompts import PromptInput, load_prompts
+from spmd_engine.sampling_params import SamplingParams
+from spmd_engine.topology import TopologyError
+
+EXIT_RUNTIME = 1
+DEFAULT_MAX_TOKENS = 1024
+
+
+def build_parser() -> UsageParser:
+    p = UsageParser(prog="python -m spmd_engine.run", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="HF-format directory (config.json + *.safetensors); "
+                                                 "default: the bundled model")
+    add_parallel_args(p)
+    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    p.add_argument("--prompts-file", default=None,
+                   help='.txt: one prompt a line; .jsonl: {"prompt": str} or {"prompt_token_ids": [int]} a line')
+    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--logprobs", type=int, default=None, metavar="K")
+    p.add_argument("--dtype", choices=DTYPES, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--pp-partition", default=None, metavar="3,3,2",
+                   help="layers per PP stage (default: vLLM's even split)")
+    p.add_argument("--output", default=None, metavar="FILE.jsonl")
+    p.add_argument("--quiet", action="store_true", help="no logs or progress")
+    return p
+
+
+def sampling_params_from_args(args) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=None, logprobs=args.logprobs)
+
+
+def check_args(args) -> None:
+    if args.prompt and args.prompts_file:
+        raise ConfigError("give prompts with --prompt or --prompts-file, not both")
+    if args.output and os.path.isdir(args.output):
+        raise ConfigError(f"--output {args.output} is a directory")
+    if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
+        raise ConfigError(f"--output {args.output}: its directory does not exist")
+
+
+def llm_from_args(args):
+    from spmd_engine import LLM
+    return LLM(model=args.model, tensor_parallel_size=args.tensor_parallel_size,
+               pipeline_parallel_size=args.pipeline_parallel_size,
+               data_parallel_size=args.data_parallel_size,
+               prefill_context_parallel_size=args.prefill_context_parallel_size,
+               decode_context_parallel_size=args.decode_context_parallel_size,
+               distributed_executor_backend=args.distributed_executor_backend, seed=args.seed,
+               dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+               enable_expert_parallel=args.enable_expert_parallel, pp_partition=args.pp_partition,
+               nnodes=args.nnodes)
+
+
+def result_record(index: int, prompt: PromptInput, out) -> dict:
+    completion = out.outputs[0]
+    record = {
+        "index": index,
+        "prompt": prompt.text,
+        "prompt_token_ids": out.prompt_token_ids,
+        "token_ids": completion.token_ids,
+        "text": completion.text,
+        "finish_reason": completion.finish_reason,
+    }
+    if completion.logprobs is not None:
+        record["logprobs"] = [{str(k): v for k, v in step.items()} for step in completion.logprobs]
+    return record
+
+
+def generate_records(llm, prompts: list[PromptInput], params: SamplingParams, indices: list[int]) -> list[dict]:
+    """Generate for a share of the prompts, seeding each by its global index."""
+    from dataclasses import replace
+
+    from spmd_engine.engine.llm import request_seed
+    if not indices:
+        return []
+    per_prompt = [replace(params, seed=request_seed(llm.seed, i)) for i in indices]
+    outs = llm.generate([prompts[i].as_llm_input() for i in indices], per_prompt)
+    return [result_record(i, prompts[i], out) for i, out in zip(indices, outs)]
+
+
+def run_launched(args, prompts, params) -> list[dict] | None:
+    """Under torchrun/srun: this replica's share, gathered to global rank 0."""
+    import torch.distributed as dist
+    llm = llm_from_args(args)
+    try:
+        from spmd_engine.distributed import get_world_group
+        world = get_world_group()
+        pc = llm.config.parallel_config
+        layout = topology.Layout.for_world(world.world_size, tp=pc.tensor_parallel_size,
+                                           pp=pc.pipeline_parallel_size, dp=pc.data_parallel_size)
+        replica = llm.replica_index
+        indices = list(range(replica, len(prompts), layout.num_replicas))
+        records = generate_records(llm, prompts, params, indices)
+        is_replica_head = world.rank % layout.world_size == 0
+        gathered = [None] * world.world_size if world.rank == 0 else None
+        dist.gather_object(records if is_replica_head else None, gathered, dst=0, group=world.cpu_group)
+        if world.rank != 0:
+            return None
+        merged = [r for part in gathered if part for r in part]
+        return sorted(merged, key=lambda r: r["index"])
+    finally:
+        llm.shutdown()
+
+
+def run_local(args, prompts, params) -> list[dict]:
+    llm = llm_from_args(args)
+    try:
+        return generate_records(llm, prompts, params, list(range(len(prompts))))
+    finally:
+        llm.shutdown()
+
+
+def write_records(records: list[dict], path: str | None) -> None:
+    if path is None:
+        for r in records:
+            header = f"=== prompt {r['index']} ({r['finish_reason']}, {len(r['token_ids'])} tokens)"
+            print(header)
+            print((r["prompt"] or "") + r["text"], flush=True)
+        return
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for r in records:
+                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        os.replace(tmp, path)  # readers see the whole file or none
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _global_rank() -> int:
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+
+
+def _launched() -> bool:
+    return launched_by_torchrun(os.environ) or "SLURM_PROCID" in os.environ
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
+                        format=f"[rank{_global_rank()}] %(message)s")
+    rank0 = _global_rank() == 0
+    try:
+        check_args(args)
+        prompts = load_prompts(args.prompt, args.prompts_file)
+        params = sampling_params_from_args(args)
+        if _launched() and args.distributed_executor_backend in (None, "external_launcher"):
+            args.distributed_executor_backend = "external_launcher"
+            records = run_launched(args, prompts, params)
+        else:
+            records = run_local(args, prompts, params)
+    except (ConfigError, TopologyError) as exc:
+        if rank0:
+            print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as exc:  # runtime failure: one line per rank that saw it
+        print(f"error: [rank {_global_rank()}] {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_RUNTIME
+    if records is not None:
+        write_records(records, args.output)
+    return 0
+
+
+def entry() -> None:
+    """Console-script entry; torchrun's @record writes the root cause to its error file."""
+    try:
+        from torch.distributed.elastic.multiprocessing.errors import record
+    except ImportError:  # pragma: no cover
+        sys.exit(main())
+    sys.exit(record(main)())
+
+
+if __name__ == "__main__":
+    entry()

@@ -1,0 +1,200 @@
+"""One rank: its device, its groups, its shard of the model, its part of each step.
+
+A Worker is driven by name through `collective_rpc`, identically by every
+executor: in-process (uni, external_launcher) or in a spawned process (mp).
+Only the last pipeline stage samples; under external_launcher the sampled
+tokens are then broadcast along the PP group so every rank of the replica
+updates its scheduler identically.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import replace
+
+import torch
+
+from spmd_engine import topology
+from spmd_engine.config import EngineConfig
+from spmd_engine.engine.request import (
+    EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, SchedulerOutput,
+)
+from spmd_engine.sampler import Sampler
+
+logger = logging.getLogger("spmd_engine")
+
+KV_MEMORY_FRACTION = 0.4  # of free host memory (CPU) or free device memory (CUDA)
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, local_rank: int = 0, rank: int = 0,
+                 distributed_init_method: str | None = None, dp_local_rank: int = 0,
+                 broadcast_sampled_tokens: bool = False):
+        self.config = config
+        self.local_rank = local_rank
+        self.rank = rank
+        self.distributed_init_method = distributed_init_method
+        self.dp_local_rank = dp_local_rank
+        self.broadcast_sampled_tokens = broadcast_sampled_tokens
+        self.device = torch.device("cpu")
+        self.model = None
+        self.sampler = Sampler()
+        self._pending: tuple[list[str], torch.Tensor] | None = None
+
+    # -- start-up ---------------------------------------------------------
+    def init_device(self) -> None:
+        """Pick this rank's device from its coordinate, then join every group."""
+        pc = self.config.parallel_config
+        if self.config.device == "cuda":
+            if pc.distributed_executor_backend == "external_launcher":
+                index = int(os.environ.get("LOCAL_RANK", self.local_rank))
+            else:
+                layout = topology.Layout(tp=pc.tensor_parallel_size, pp=pc.pipeline_parallel_size,
+                                         pcp=pc.prefill_context_parallel_size)
+                index = topology.device_index_mp(layout, self.local_rank, self.dp_local_rank)
+            self.device = torch.device(f"cuda:{index}")
+            torch.cuda.set_device(self.device)
+        self._init_groups()
+
+    def _init_groups(self) -> None:
+        from spmd_engine.distributed import (
+            get_pp_group, get_tp_group, get_world_group, init_distributed_environment,
+            initialize_model_parallel,
+        )
+        pc = self.config.parallel_config
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if pc.distributed_executor_backend == "external_launcher":
+            init_distributed_environment(backend=backend, timeout_s=self.config.timeout_s)
+            initialize_model_parallel(pc)
+        else:
+            # uni and mp: this replica is its own world of TP x PP x PCP ranks.
+            self._init_replica_world(backend)
+            initialize_model_parallel(replace_dp(pc))
+        self.world_group = get_world_group()
+        self.tp_group = get_tp_group()
+        self.pp_group = get_pp_group()
+
+    def _init_replica_world(self, backend: str) -> None:
+        import datetime
+
+        import torch.distributed as dist
+
+        from spmd_engine.distributed import init_distributed_environment
+        pc = self.config.parallel_config
+        timeout = datetime.timedelta(seconds=self.config.timeout_s)
+        if pc.world_size == 1 and self.distributed_init_method is None:
+            store = dist.HashStore()
+        else:
+            host, port = self.distributed_init_method.removeprefix("tcp://").rsplit(":", 1)
+            store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=self.local_rank,
+                                world_size=pc.world_size, timeout=timeout)
+        self._owns_default_group = True
+        init_distributed_environment(backend=backend, timeout_s=self.config.timeout_s)
+
+    def load_model(self) -> None:
+        from spmd_engine.model.loader import load_model
+        mc = self.config.model_config
+        self.model = load_model(mc.model_dir, self.tp_group, self.pp_group, dtype=mc.dtype,
+                                device=self.device, pp_partition=mc.pp_partition)
+
+    def determine_num_kv_slots(self, max_num_seqs: int, max_model_len: int) -> int:
+        """How many sequences' KV cache fit here; the minimum over the whole world."""
+        per_slot = self.model.kv_cache_bytes(1, max_model_len)
+        if self.device.type == "cuda":
+            free = torch.cuda.mem_get_info(self.device)[0]
+        else:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            free //= max(1, int(os.environ.get("LOCAL_WORLD_SIZE", self.config.parallel_config.world_size)))
+        fits = int(free * KV_MEMORY_FRACTION) // max(1, per_slot)
+        slots = torch.tensor([min(max_num_seqs, fits)], dtype=torch.int64)
+        import torch.distributed as dist
+        dist.all_reduce(slots, op=dist.ReduceOp.MIN, group=self.world_group.cpu_group)
+        agreed = int(slots.item())
+        if agreed < 1:
+            raise RuntimeError(
+                f"no room for one sequence's KV cache: max_model_len {max_model_len} needs "
+                f"{per_slot} bytes per sequence on each rank; lower --max-model-len"
+            )
+        return agreed
+
+    def initialize_kv_cache(self, num_slots: int, max_model_len: int) -> None:
+        self.model.allocate_kv_cache(num_slots, max_model_len)
+
+    # -- every step -------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run this rank's stage. None means: ask sample_tokens for the result."""
+        for rid in out.finished_request_ids:
+            self.sampler.remove_request(rid)
+        for new in out.new_requests:
+            self.sampler.add_request(new.request_id, new.params, new.seed)
+        if not out.seqs:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        input_ids, positions, attn, last_index = self._prepare_inputs(out)
+        intermediate = None
+        if not self.pp_group.is_first_rank:
+            intermediate = self.pp_group.recv_tensor_dict()
+        hidden = self.model.forward(input_ids if self.pp_group.is_first_rank else None,
+                                    positions, attn, intermediate)
+        if not self.pp_group.is_last_rank:
+            self.pp_group.send_tensor_dict(hidden)
+            self._pending = ([s.request_id for s in out.seqs], None)
+            return None
+        rows = hidden["hidden_states"][torch.arange(len(out.seqs)), last_index]
+        self._pending = ([s.request_id for s in out.seqs], self.model.compute_logits(rows))
+        return None
+
+    def _prepare_inputs(self, out: SchedulerOutput):
+        from spmd_engine.model.attention import AttentionMetadata
+        lens = [len(s.token_ids) for s in out.seqs]
+        width = max(lens)
+        ids = torch.zeros((len(lens), width), dtype=torch.long)
+        for row, seq in enumerate(out.seqs):
+            ids[row, :lens[row]] = torch.tensor(seq.token_ids, dtype=torch.long)
+        context = torch.tensor([s.context_len for s in out.seqs], dtype=torch.long)
+        positions = context[:, None] + torch.arange(width)[None, :]
+        attn = AttentionMetadata(
+            slots=torch.tensor([s.slot for s in out.seqs], dtype=torch.long, device=self.device),
+            context_lens=context.to(self.device),
+            query_lens=torch.tensor(lens, dtype=torch.long, device=self.device),
+        )
+        last_index = torch.tensor(lens, dtype=torch.long, device=self.device) - 1
+        return ids.to(self.device), positions.to(self.device), attn, last_index
+
+    @torch.inference_mode()
+    def sample_tokens(self, grammar_output=None) -> ModelRunnerOutput | None:
+        if self._pending is None:
+            return None
+        request_ids, logits = self._pending
+        self._pending = None
+        result = None
+        if self.pp_group.is_last_rank:
+            tokens, logprobs = self.sampler.sample(request_ids, logits.float().cpu())
+            result = ModelRunnerOutput(request_ids, tokens, logprobs)
+        if self.broadcast_sampled_tokens and self.pp_group.world_size > 1:
+            result = self.pp_group.broadcast_object(result, src=self.pp_group.world_size - 1)
+        return result
+
+    # -- housekeeping ------------------------------------------------------
+    def check_health(self) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        from spmd_engine.distributed import destroy_distributed_environment, destroy_model_parallel
+        self.model = None
+        destroy_model_parallel()
+        destroy_distributed_environment()
+        if getattr(self, "_owns_default_group", False):
+            import torch.distributed as dist
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            self._owns_default_group = False
+
+
+def replace_dp(pc):
+    """The config a replica's own world sees: one DP rank, no external DP."""
+    clone = replace(pc, data_parallel_size=1, data_parallel_rank=0,
+                    distributed_executor_backend=pc.distributed_executor_backend)
+    return clone

@@ -1,0 +1,170 @@
+"""Start multi-process test launches that always end, and report what they left behind.
+
+Every process a launch starts carries SPMD_TEST_LAUNCH=<tag> in its
+environment. torchrun puts its workers in sessions of their own, so killing
+torchrun's process group is not enough; the tag finds every descendant (even
+one re-parented after its parent died), and only those pids are killed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+SHM_DIR = Path("/dev/shm")
+SHM_PATTERN = re.compile(r"^spmd_ar_(\d+)_[0-9a-f]+$")
+TAG_VAR = "SPMD_TEST_LAUNCH"
+# Launcher variables of an outer job (pytest inside srun or torchrun) must not leak in.
+_STRIP = re.compile(r"^(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|NODE_RANK|"
+                    r"MASTER_ADDR|MASTER_PORT|TORCHELASTIC_\w+|SLURM_\w+)$")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def base_env(tag: str, env_extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not _STRIP.match(k)}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", **{TAG_VAR: tag})
+    env.update(env_extra or {})
+    return env
+
+
+def tagged_pids(tag: str) -> list[int]:
+    """Live processes whose environment carries this launch's tag."""
+    needle = f"{TAG_VAR}={tag}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state != "Z":
+                    found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def stale_segments() -> list[str]:
+    """Our /dev/shm all-reduce segments whose creator is dead: nobody will unlink them."""
+    stale = []
+    for entry in SHM_DIR.glob("spmd_ar_*") if SHM_DIR.is_dir() else []:
+        match = SHM_PATTERN.match(entry.name)
+        if match and not Path(f"/proc/{match.group(1)}").exists():
+            stale.append(entry.name)
+    return stale
+
+
+def _reap(tag: str, grace_s: float = 3.0) -> list[int]:
+    """Wait briefly for tagged processes to exit, then SIGKILL survivors; returns survivors."""
+    deadline = time.monotonic() + grace_s
+    left = tagged_pids(tag)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = tagged_pids(tag)
+    _kill(left)
+    return left
+
+
+def _kill(pids) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _stop(procs: list[subprocess.Popen], tag: str) -> None:
+    """SIGTERM our direct children (torchrun then stops and reaps its workers),
+    then SIGKILL the rest, grandchildren first, so a living parent can still
+    reap them and no zombie is handed to an init that may never reap."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.monotonic() + 5
+    while any(proc.poll() is None for proc in procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    direct = {proc.pid for proc in procs}
+    _kill([pid for pid in tagged_pids(tag) if pid not in direct])
+    time.sleep(0.3)
+    _kill([proc.pid for proc in procs if proc.poll() is None])
+    for proc in procs:
+        proc.wait()
+
+
+class Launch(subprocess.CompletedProcess):
+    """Processes started together: a CompletedProcess (first non-zero exit code,
+    joined outputs) plus per-process codes and outputs, timeout flag, leftovers."""
+
+    def __init__(self, cmds: list[list[str]], envs: list[dict[str, str]], tag: str, timeout: float):
+        self.tag, self.timed_out = tag, False
+        files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in cmds]
+        procs = [subprocess.Popen(cmd, env=env, cwd=REPO, stdout=out, stderr=err, text=True,
+                                  start_new_session=True)
+                 for cmd, env, (out, err) in zip(cmds, envs, files)]
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.timed_out = True
+                break
+        if self.timed_out:
+            _stop(procs, tag)
+        self.leftover_pids = _reap(tag) if not self.timed_out else _reap(tag, 0.5)
+        self.returncodes = [proc.returncode for proc in procs]
+        self.stdouts, self.stderrs = [], []
+        for out, err in files:
+            out.seek(0), err.seek(0)
+            self.stdouts.append(out.read()), self.stderrs.append(err.read())
+            out.close(), err.close()
+        rc = next((rc for rc in self.returncodes if rc != 0), 0)
+        super().__init__(cmds, rc, "".join(self.stdouts), "".join(self.stderrs))
+
+    def describe(self) -> str:
+        return (f"rc={self.returncodes} timed_out={self.timed_out} leftovers={self.leftover_pids}\n"
+                f"--- stdout ---\n{self.stdout[-6000:]}\n--- stderr ---\n{self.stderr[-6000:]}")
+
+
+def run_torchrun(nproc: int, args: list[str], timeout: float, env_extra: dict[str, str] | None = None,
+                 nnodes: int = 1, rdzv: bool = False) -> Launch:
+    """`python -m torch.distributed.run` with `nproc` workers per node, `nnodes` agents on this host.
+
+    Static rendezvous (--master-port) by default; `rdzv=True` uses the c10d
+    rendezvous backend, as multi-node sbatch scripts do.
+    """
+    tag, port = uuid.uuid4().hex[:12], free_port()
+    cmds = []
+    for node in range(nnodes):
+        cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--nnodes", str(nnodes), "--monitor-interval", "0.2"]
+        if rdzv:
+            cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", tag]
+        else:
+            cmd += ["--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port)]
+        cmds.append(cmd + [str(a) for a in args])
+    return Launch(cmds, [base_env(tag, env_extra)] * nnodes, tag, timeout)
+
+
+def run_ranks_with_env(world: int, script_args: list[str], env_per_rank: list[dict[str, str]],
+                       timeout: float) -> Launch:
+    """One plain `python script_args...` per rank, each with its own launcher variables
+    (RANK/WORLD_SIZE/... or SLURM_*), no torchrun agent in between."""
+    assert len(env_per_rank) == world
+    tag = uuid.uuid4().hex[:12]
+    cmds = [[PYTHON, *[str(a) for a in script_args]] for _ in range(world)]
+    return Launch(cmds, [base_env(tag, e) for e in env_per_rank], tag, timeout)
