@@ -43,14 +43,9 @@ def die_with_parent(expected_parent: int | None = None) -> None:
 
 
 def mp_context():
-    """fork by default (fast, works from scripts without a __main__ guard), as vLLM does;
-    spawn once CUDA is initialised, since a forked child cannot use it. Override with
-    SPMD_ENGINE_WORKER_MULTIPROC_METHOD=spawn|fork|forkserver."""
+    """spawn by default: a forked child of a process that already ran torch ops can hang
+    in the OpenMP runtime, and cannot use CUDA. Like any spawn user, a script that builds
+    an mp LLM needs an `if __name__ == "__main__":` guard. SPMD_ENGINE_WORKER_MULTIPROC_METHOD
+    =fork trades that safety for faster start-up."""
     import multiprocessing as mp
-    method = os.environ.get("SPMD_ENGINE_WORKER_MULTIPROC_METHOD")
-    if method is None:
-        method = "fork"
-        torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_initialized():
-            method = "spawn"
-    return mp.get_context(method)
+    return mp.get_context(os.environ.get("SPMD_ENGINE_WORKER_MULTIPROC_METHOD", "spawn"))

@@ -1,0 +1,112 @@
+"""The engine end to end on a tiny random checkpoint: every executor and layout
+gives the tokens of a no-cache reference decode, in input order."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from engine_helpers import make_tiny_checkpoint, reference_greedy
+from spmd_engine import LLM, SamplingParams
+from spmd_engine.config import ConfigError
+
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [10, 11], [12, 13, 14, 15], [16, 17, 18]]
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def expected(ckpt):
+    return [reference_greedy(ckpt, p, MAX_TOKENS) for p in PROMPTS]
+
+
+def generate(ckpt, **kwargs):
+    with LLM(model=str(ckpt), **kwargs) as llm:
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("layout", [
+    dict(),
+    dict(max_num_seqs=2),  # requests wait for KV slots and enter as others finish
+    dict(tensor_parallel_size=2),
+    dict(tensor_parallel_size=4),  # TP > num_key_value_heads: KV heads replicated
+    dict(pipeline_parallel_size=2),
+    dict(tensor_parallel_size=2, pipeline_parallel_size=2),
+    dict(data_parallel_size=2),
+    dict(data_parallel_size=2, tensor_parallel_size=2, max_num_seqs=2),
+], ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "uni")
+def test_every_layout_matches_reference(ckpt, expected, layout):
+    assert generate(ckpt, **layout) == expected
+
+
+@pytest.mark.timeout(120)
+def test_backend_resolution_in_llm(ckpt):
+    with LLM(model=str(ckpt)) as llm:
+        assert llm.config.parallel_config.distributed_executor_backend == "uni"
+    with LLM(model=str(ckpt), data_parallel_size=2) as llm:
+        assert llm.config.parallel_config.distributed_executor_backend == "mp"
+
+
+@pytest.mark.timeout(120)
+def test_seeded_sampling_is_layout_independent(ckpt):
+    params = SamplingParams(max_tokens=8, temperature=0.9, top_k=50, top_p=0.95, ignore_eos=True)
+    results = []
+    for layout in (dict(), dict(tensor_parallel_size=2), dict(data_parallel_size=2)):
+        with LLM(model=str(ckpt), seed=7, **layout) as llm:
+            results.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)])
+    assert results[0] == results[1] == results[2]
+    with LLM(model=str(ckpt), seed=8) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] != results[0]
+
+
+@pytest.mark.timeout(120)
+def test_collective_rpc_by_name_callable_and_reply_rank(ckpt):
+    with LLM(model=str(ckpt), tensor_parallel_size=2, pipeline_parallel_size=2) as llm:
+        ranks = llm.collective_rpc(lambda worker: (worker.tp_group.rank_in_group, worker.pp_group.rank_in_group,
+                                                   os.getpid()))
+        assert [r[:2] for r in ranks] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+        assert len({r[2] for r in ranks}) == 4 and os.getpid() not in {r[2] for r in ranks}
+        assert llm.collective_rpc("check_health") == [True] * 4
+        # The output rank: first TP worker of the last PP stage, local rank 2.
+        only = llm.collective_rpc(lambda w: (w.tp_group.rank_in_group, w.pp_group.rank_in_group),
+                                  unique_reply_rank=2)
+        assert only == [(0, 1)]
+        with pytest.raises(RuntimeError, match="Worker failed with error 'AttributeError"):
+            llm.collective_rpc("no_such_method")
+    with LLM(model=str(ckpt)) as llm:
+        assert llm.collective_rpc(lambda w: w.tp_group.world_size) == [1]
+
+
+@pytest.mark.timeout(60)
+def test_logprobs_and_finish_reasons(ckpt, expected):
+    with LLM(model=str(ckpt), max_model_len=8) as llm:
+        outs = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=20, logprobs=3, ignore_eos=True))
+    # prompt 0 has 3 tokens: 5 more reach max_model_len 8.
+    assert [len(o.outputs[0].token_ids) for o in outs] == [5, 3]
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    first = outs[0].outputs[0]
+    assert first.token_ids == expected[0][:5]
+    assert all(len(step) >= 3 and first.token_ids[i] in step for i, step in enumerate(first.logprobs))
+    assert max(first.logprobs[0].values()) == first.logprobs[0][first.token_ids[0]]  # greedy = top-1
+
+
+@pytest.mark.timeout(60)
+def test_errors_before_any_process(ckpt):
+    with pytest.raises(ConfigError, match="tensor_parallel_size 3 must divide num_attention_heads 8"):
+        LLM(model=str(ckpt), tensor_parallel_size=3)
+    with pytest.raises(ConfigError, match="pipeline_parallel_size 5 exceeds num_hidden_layers 4"):
+        LLM(model=str(ckpt), pipeline_parallel_size=5)
+    with LLM(model=str(ckpt), max_model_len=4) as llm:
+        with pytest.raises(ConfigError, match="prompt 0 has 5 tokens; max_model_len is 4"):
+            llm.generate([[1, 2, 3, 4, 5]])
+        with pytest.raises(ConfigError, match="text prompts need a tokenizer"):
+            llm.generate("hello")
+        with pytest.raises(ConfigError, match="token id 300 outside the vocabulary"):
+            llm.generate([[300]])
