@@ -152,19 +152,20 @@ class LLM:
         return text, ids
 
     def _check_same_inputs_across_replica(self, requests: list[Request]) -> None:
-        """Under external_launcher every rank of a replica must schedule the same requests."""
-        from spmd_engine.distributed import get_world_group
+        """Under external_launcher every rank of a replica must schedule the same requests.
+
+        Only groups inside this replica take part (TP, then PP: together they
+        connect the whole replica), because other replicas may call generate a
+        different number of times, or not at all.
+        """
+        from spmd_engine.distributed import get_pp_group, get_tp_group
         digest = hashlib.sha256(pickle.dumps([(r.prompt_token_ids, r.params, r.seed) for r in requests]))
-        world = get_world_group()
-        digests = world.all_gather_object(digest.hexdigest()) if hasattr(world, "all_gather_object") \
-            else _all_gather_object(world, digest.hexdigest())
-        pc = self.config.parallel_config
-        first = (world.rank // pc.world_size) * pc.world_size
-        mine = digests[first:first + pc.world_size]
-        if len(set(mine)) != 1:
-            odd = [first + i for i, d in enumerate(mine) if d != mine[0]]
-            raise ConfigError(f"ranks {odd} of this replica passed different prompts or sampling "
-                              f"params than rank {first}; every rank of a replica must pass the same")
+        for group in (get_tp_group(), get_pp_group()):
+            digests = group.all_gather_object(digest.hexdigest())
+            odd = [group.ranks[i] for i, d in enumerate(digests) if d != digests[0]]
+            if odd:
+                raise ConfigError(f"ranks {odd} passed different prompts or sampling params than rank "
+                                  f"{group.ranks[0]}; every rank of a replica must pass the same")
 
     # -- workers ------------------------------------------------------------------
     def collective_rpc(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None,
@@ -199,13 +200,6 @@ class LLM:
             self.shutdown()
         except Exception:
             pass
-
-
-def _all_gather_object(group, obj):
-    import torch.distributed as dist
-    out = [None] * group.world_size
-    dist.all_gather_object(out, obj, group=group.cpu_group)
-    return out
 
 
 def _default_device() -> str:

@@ -23,10 +23,23 @@ class CachePlan:
     """Index tensors derived once per step and shared by every layer."""
 
     valid: torch.Tensor  # [B, T] bool: token t of row b is real (t < query_len)
+    # `valid` as indices, computed once, so layers gather without a device sync
+    rows: torch.Tensor  # [N] batch row of each real token
+    cols: torch.Tensor  # [N] its column
     write_slots: torch.Tensor  # [N] slot of each real token
     write_positions: torch.Tensor  # [N] its position in the cache
     mask: torch.Tensor  # [B, T, L] bool: query t may attend cached key j
     kv_len: int  # L: longest cached prefix after this step's writes
+    _grouped: dict = field(default_factory=dict, repr=False)
+
+    def grouped_mask(self, group: int) -> torch.Tensor:
+        """The mask for `group` query heads per KV head folded into the token
+        axis: [B, 1, group * T, L]; built once per step, not once per layer."""
+        if group not in self._grouped:
+            B, T, L = self.mask.shape
+            self._grouped[group] = self.mask.unsqueeze(1).unsqueeze(1).expand(B, 1, group, T, L).reshape(
+                B, 1, group * T, L)
+        return self._grouped[group]
 
 
 @dataclass
@@ -59,10 +72,13 @@ def _build_plan(slots: torch.Tensor, context_lens: torch.Tensor, query_lens: tor
     kv_len = int((context_lens + query_lens).max()) if slots.numel() else 0
     keys = torch.arange(kv_len, device=device)
     mask = keys.view(1, 1, -1) <= positions.unsqueeze(-1)  # [B, T, L]; padded rows see >= key 0
+    rows, cols = valid.nonzero(as_tuple=True)
     return CachePlan(
         valid=valid,
-        write_slots=slots.unsqueeze(1).expand_as(positions)[valid],
-        write_positions=positions[valid],
+        rows=rows,
+        cols=cols,
+        write_slots=slots[rows],
+        write_positions=positions[rows, cols],
         mask=mask,
         kv_len=kv_len,
     )
@@ -111,8 +127,8 @@ class Attention(nn.Module):
     def _cached(self, q, k, v, plan: CachePlan, slots: torch.Tensor) -> torch.Tensor:
         if self.k_cache is None:
             raise RuntimeError("KV cache not allocated: call model.allocate_kv_cache(num_slots, max_model_len)")
-        self.k_cache[plan.write_slots, :, plan.write_positions] = k[plan.valid]
-        self.v_cache[plan.write_slots, :, plan.write_positions] = v[plan.valid]
+        self.k_cache[plan.write_slots, :, plan.write_positions] = k[plan.rows, plan.cols]
+        self.v_cache[plan.write_slots, :, plan.write_positions] = v[plan.rows, plan.cols]
         keys = self.k_cache[slots, :, : plan.kv_len]  # [B, kv_heads, L, D]
         values = self.v_cache[slots, :, : plan.kv_len]
         # Grouped-query attention without copying K/V per query head: fold the
@@ -120,7 +136,5 @@ class Attention(nn.Module):
         B, T = q.shape[:2]
         group = self.num_heads // self.num_kv_heads
         q = q.permute(0, 2, 1, 3).reshape(B, self.num_kv_heads, group * T, self.head_dim)
-        mask = plan.mask.unsqueeze(1).unsqueeze(1).expand(B, 1, group, T, plan.kv_len)
-        mask = mask.reshape(B, 1, group * T, plan.kv_len)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=plan.grouped_mask(group), scale=self.scale)
         return out.reshape(B, self.num_heads, T, self.head_dim).transpose(1, 2)

@@ -47,7 +47,8 @@ def read_hf_config(model_dir: str | os.PathLike) -> dict[str, Any]:
     return config
 
 
-def resolve_dtype(dtype: str | torch.dtype | None, hf_config: dict[str, Any], device: str | torch.device) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype | None, hf_config: dict[str, Any],
+                  device: str | torch.device) -> torch.dtype:
     """Explicit dtype wins; otherwise float32 on CPU (half-precision checkpoints
     are cast up: CPU matmuls in bf16 are slow and less exact) and the
     checkpoint's own dtype on accelerators."""

@@ -53,7 +53,9 @@ class ModelSpec:
         if hidden % heads and not cfg.get("head_dim"):
             raise ConfigError(f"{source}: hidden_size {hidden} is not divisible by num_attention_heads {heads}")
         if heads % kv_heads:
-            raise ConfigError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+            raise ConfigError(
+                f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
+            )
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
