@@ -62,6 +62,21 @@ def check_args(args) -> None:
         raise ConfigError(f"--output {args.output}: its directory does not exist")
 
 
+def check_model_and_prompts(args, prompts: list[PromptInput]) -> None:
+    """The model against the layout, then every prompt against the model: before any process starts."""
+    from spmd_engine.config import ModelConfig
+    from spmd_engine.engine.input_processor import InputProcessor
+    from spmd_engine.model.loader import check_checkpoint
+    from spmd_engine.model.partition import check_model_parallel
+    model_dir = ModelConfig(model=args.model).model_dir
+    processor = InputProcessor(model_dir, args.max_model_len)
+    check_model_parallel(processor.hf_config, args.tensor_parallel_size, args.pipeline_parallel_size,
+                         source=os.path.join(model_dir, "config.json"))
+    check_checkpoint(model_dir)
+    for index, prompt in enumerate(prompts):
+        processor.encode(prompt.as_llm_input(), index)
+
+
 def llm_from_args(args):
     from spmd_engine import LLM
     return LLM(model=args.model, tensor_parallel_size=args.tensor_parallel_size,
@@ -169,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         check_args(args)
         prompts = load_prompts(args.prompt, args.prompts_file)
         params = sampling_params_from_args(args)
+        check_model_and_prompts(args, prompts)
         if _launched() and args.distributed_executor_backend in (None, "external_launcher"):
             args.distributed_executor_backend = "external_launcher"
             records = run_launched(args, prompts, params)

@@ -21,7 +21,6 @@ from spmd_engine.engine.outputs import CompletionOutput, RequestOutput
 from spmd_engine.engine.request import Request
 from spmd_engine.sampling_params import SamplingParams
 
-MAX_MODEL_LEN_CAP = 4096
 SEED_MASK = (1 << 63) - 1
 
 
@@ -38,9 +37,8 @@ class LLM:
                  dtype: str | None = None, max_model_len: int | None = None, max_num_seqs: int = 8,
                  enable_expert_parallel: bool = False, pp_partition: str | None = None,
                  device: str | None = None, timeout_s: float | None = None, nnodes: int = 1):
-        from spmd_engine.model.loader import read_hf_config
+        from spmd_engine.engine.input_processor import InputProcessor
         from spmd_engine.model.partition import check_model_parallel, parse_pp_partition
-        from spmd_engine.model.tokenizer import load_tokenizer
 
         parallel = ParallelConfig(
             tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
@@ -54,23 +52,15 @@ class LLM:
             raise ConfigError("context parallelism (PCP/DCP > 1) is planned but not implemented in the "
                               "model yet; use spmd_engine.plan to inspect such layouts")
         model_config = ModelConfig(model=model, dtype=dtype, pp_partition=pp_partition)
-        self.hf_config = read_hf_config(model_config.model_dir)
+        self.inputs = InputProcessor(model_config.model_dir, max_model_len)
+        self.hf_config, self.tokenizer = self.inputs.hf_config, self.inputs.tokenizer
+        self.max_model_len = self.inputs.max_model_len
         source = os.path.join(model_config.model_dir, "config.json")
         spec = check_model_parallel(self.hf_config, parallel.tensor_parallel_size,
                                     parallel.pipeline_parallel_size, source=source)
         partition = pp_partition or os.environ.get("SPMD_ENGINE_PP_PARTITION")
         if partition:
             parse_pp_partition(partition, spec.num_layers, parallel.pipeline_parallel_size)
-        try:
-            self.tokenizer = load_tokenizer(model_config.model_dir)
-            self._tokenizer_error = None
-        except ConfigError as exc:  # token-id prompts still work without one
-            self.tokenizer, self._tokenizer_error = None, exc
-        limit = min(int(self.hf_config.get("max_position_embeddings", MAX_MODEL_LEN_CAP)), MAX_MODEL_LEN_CAP)
-        if max_model_len is not None and max_model_len > int(self.hf_config.get("max_position_embeddings", max_model_len)):
-            raise ConfigError(f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
-                              f"({self.hf_config['max_position_embeddings']})")
-        self.max_model_len = max_model_len or limit
         if timeout_s is None:
             timeout_s = float(os.environ.get("SPMD_ENGINE_TIMEOUT_S", "300"))
         self.config = EngineConfig(
@@ -87,9 +77,7 @@ class LLM:
         from spmd_engine.executor.abstract import Executor
         pc = self.config.parallel_config
         executor_class = Executor.get_class(self.config)
-        eos = getattr(self.tokenizer, "eos_token_id", None)
-        if eos is None:
-            eos = _first_int(self.hf_config.get("eos_token_id"))
+        eos = self.inputs.eos_token_id
         if pc.distributed_executor_backend == "external_launcher" or pc.data_parallel_size == 1:
             from spmd_engine.engine.core import EngineCore
             return EngineCore(self.config, executor_class, self.max_model_len, eos)
@@ -103,7 +91,7 @@ class LLM:
         if self.config.parallel_config.distributed_executor_backend == "external_launcher":
             self._check_same_inputs_across_replica(requests)
         finished = {r.request_id: r for r in self._engine_generate(requests)}
-        return [_to_output(finished[r.request_id], self.tokenizer) for r in requests]
+        return [_to_output(finished[r.request_id], self.inputs) for r in requests]
 
     def _engine_generate(self, requests: list[Request]) -> list[Request]:
         if hasattr(self._engine, "generate"):
@@ -125,31 +113,11 @@ class LLM:
             raise ConfigError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
         requests = []
         for index, (prompt, params) in enumerate(zip(prompts, params_list)):
-            text, ids = self._encode(prompt, index)
+            text, ids = self.inputs.encode(prompt, index)
             seed = params.seed if params.seed is not None else request_seed(self.seed, index)
             requests.append(Request(str(self._next_request), ids, params, seed, prompt=text))
             self._next_request += 1
         return requests
-
-    def _encode(self, prompt, index: int) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ConfigError(f"text prompts need a tokenizer: {self._tokenizer_error}; "
-                                  f"give prompt_token_ids instead")
-            ids = self.tokenizer.encode(prompt)
-            text = prompt
-        else:
-            ids, text = [int(t) for t in prompt], None
-            vocab = int(self.hf_config["vocab_size"])
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ConfigError(f"prompt {index}: token id {bad[0]} outside the vocabulary [0, {vocab})")
-        if not ids:
-            raise ConfigError(f"prompt {index} is empty")
-        if len(ids) >= self.max_model_len:
-            raise ConfigError(f"prompt {index} has {len(ids)} tokens; max_model_len is {self.max_model_len} "
-                              f"(a prompt must leave room for at least one new token)")
-        return text, ids
 
     def _check_same_inputs_across_replica(self, requests: list[Request]) -> None:
         """Under external_launcher every rank of a replica must schedule the same requests.
@@ -207,14 +175,8 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _first_int(value) -> int | None:
-    if isinstance(value, list):
-        value = value[0] if value else None
-    return value if isinstance(value, int) else None
-
-
-def _to_output(request: Request, tokenizer) -> RequestOutput:
-    text = tokenizer.decode(request.output_token_ids) if tokenizer is not None else ""
+def _to_output(request: Request, inputs) -> RequestOutput:
+    text = inputs.decode(request.output_token_ids)
     completion = CompletionOutput(0, text, list(request.output_token_ids), request.finish_reason,
                                   request.logprobs)
     return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids), [completion])

@@ -1,0 +1,169 @@
+"""`python -m spmd_engine.run` as users launch it: alone, with mp, under torchrun.
+
+The bundled model recites the Zen of Python, so a wrong shard, stage or
+replica shows up as visibly wrong text; the output file must be the same
+whatever the layout.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from engine_helpers import make_tiny_checkpoint
+from launch import REPO, base_env, run_torchrun
+from zen import continuation
+
+RUN = [sys.executable, "-m", "spmd_engine.run"]
+
+
+def run_cli(*args, timeout=120):
+    return subprocess.run([*RUN, *map(str, args)], capture_output=True, text=True, timeout=timeout,
+                          cwd=REPO, env=base_env("cli"))
+
+
+@pytest.fixture(scope="module")
+def uni_stdout():
+    proc = run_cli("--prompt", "Beautiful is", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_plain_run_recites_the_training_text(uni_stdout):
+    header, body = uni_stdout.split("\n", 1)
+    assert header == "=== prompt 0 (stop, 811 tokens)"
+    assert body == "Beautiful is" + continuation("Beautiful is") + "\n"
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_world8_tp2_pp2_dp2_prints_the_same_text(uni_stdout):
+    launch = run_torchrun(8, ["-m", "spmd_engine.run", "-tp", 2, "-pp", 2, "-dp", 2,
+                              "--prompt", "Beautiful is", "--quiet"], timeout=280)
+    assert launch.returncode == 0, launch.describe()
+    assert launch.stdout == uni_stdout  # printed once, by global rank 0
+    assert not launch.leftover_pids
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    lines = [{"prompt": "Simple is"}, {"prompt": "Errors should"}, {"prompt_token_ids": [256, 70, 108, 97]},
+             {"prompt": "Now is"}, {"prompt": "Readability"}]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.timeout(300)
+def test_output_file_is_the_same_for_every_layout(tmp_path, prompts_file):
+    common = ["--prompts-file", prompts_file, "--max-tokens", 24, "--logprobs", 2, "--quiet"]
+    outputs = {}
+    for name, args in {"uni": [], "mp-tp2-dp2": ["-tp", 2, "-dp", 2]}.items():
+        out = tmp_path / f"{name}.jsonl"
+        proc = run_cli(*common, *args, "--output", out, timeout=200)
+        assert proc.returncode == 0, proc.stderr
+        outputs[name] = read_jsonl(out)
+    # torchrun world 4 at TP=2 alone: 2 external-DP replicas share the prompts.
+    out = tmp_path / "torchrun.jsonl"
+    launch = run_torchrun(4, ["-m", "spmd_engine.run", "-tp", 2, *common, "--output", out], timeout=200)
+    assert launch.returncode == 0, launch.describe()
+    outputs["torchrun-edp2"] = read_jsonl(out)
+    for name, records in outputs.items():
+        assert strip_logprobs(records) == strip_logprobs(outputs["uni"]), name
+        assert_logprobs_close(records, outputs["uni"])
+    records = outputs["uni"]
+    assert [r["index"] for r in records] == [0, 1, 2, 3, 4]
+    assert set(records[0]) == {"index", "prompt", "prompt_token_ids", "token_ids", "text", "finish_reason",
+                               "logprobs"}
+    assert records[0]["text"] == continuation("Simple is")[:24]
+    assert records[2]["prompt"] is None and records[2]["text"] == continuation("Fla")[:24]
+    assert all(len(step) >= 2 for step in records[0]["logprobs"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mp-tp2-dp2.jsonl", "torchrun.jsonl", "uni.jsonl"]
+
+
+def strip_logprobs(records):
+    return [{k: v for k, v in r.items() if k != "logprobs"} for r in records]
+
+
+def assert_logprobs_close(records, reference):
+    """Tokens are identical across layouts; logprobs differ only by reduction order."""
+    for r, ref in zip(records, reference):
+        for step, ref_step in zip(r["logprobs"], ref["logprobs"]):
+            assert step.keys() == ref_step.keys()
+            assert all(abs(step[k] - ref_step[k]) < 1e-3 for k in step)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("args, needle", [
+    (["-tp", 3], "tensor_parallel_size 3 must divide num_attention_heads 8"),
+    (["-pp", 9], "pipeline_parallel_size 9 exceeds num_hidden_layers 8"),
+    (["--model", "/nonexistent/model"], "/nonexistent/model"),
+    (["--prompt", "x", "--prompts-file", "p.txt"], "not both"),
+    (["--temperature", "-1"], "temperature must be a number >= 0, got -1.0"),
+    (["--top-p", "0"], "top_p must be in (0, 1], got 0.0"),
+    (["--max-tokens", "0"], "max_tokens must be an integer >= 1, got 0"),
+    (["--max-model-len", "4", "--prompt", "Beautiful is"], "prompt 0 has 13 tokens; max_model_len is 4"),
+    (["--dtype", "int8"], "invalid choice: 'int8'"),
+    (["--pp-partition", "3,3", "-pp", "3"], "has 2 entries but pipeline_parallel_size is 3"),
+    (["-dp", "2", "-pcp", "2"], "cannot be combined with data_parallel_size (2)"),
+])
+def test_bad_input_exits_2_with_one_line(args, needle):
+    proc = run_cli(*args)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], proc.stderr
+    assert proc.stdout == ""
+
+
+@pytest.mark.timeout(60)
+def test_bad_prompt_files_name_file_and_line(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"prompt": oops}\n')
+    for path, needle in ((empty, "holds no prompt"), (bad, f"{bad}:2: malformed JSON")):
+        proc = run_cli("--prompts-file", path)
+        assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_unknown_architecture_and_corrupt_weights(tmp_path, tiny):
+    import shutil
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text('{"prompt_token_ids": [1, 2, 3]}\n')
+    arch = tmp_path / "arch"
+    shutil.copytree(tiny, arch)
+    config = json.loads((arch / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (arch / "config.json").write_text(json.dumps(config))
+    proc = run_cli("--model", arch, "--prompts-file", ids)
+    assert proc.returncode == 2 and "GPT2LMHeadModel" in proc.stderr, proc.stderr
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(tiny, corrupt)
+    (corrupt / "model.safetensors").write_bytes(b"\x00" * 100)
+    proc = run_cli("--model", corrupt, "--prompts-file", ids, "--output", tmp_path / "out.jsonl")
+    assert proc.returncode == 2 and "model.safetensors" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.timeout(120)
+def test_bad_input_under_torchrun_ends_every_rank():
+    launch = run_torchrun(2, ["-m", "spmd_engine.run", "-tp", 3], timeout=100)
+    # torchrun itself exits 1 when a worker fails (and stops the others); the worker exited 2.
+    assert not launch.timed_out and launch.returncode == 1, launch.describe()
+    assert "(exitcode: 2)" in launch.stderr, launch.describe()
+    assert launch.stderr.count("error: tensor_parallel_size 3 must divide") == 1  # printed by rank 0 only
+    assert not launch.leftover_pids
