@@ -21,7 +21,7 @@ from spmd_engine.sampling_params import SamplingParams
 from spmd_engine.topology import TopologyError
 
 EXIT_RUNTIME = 1
-DEFAULT_MAX_TOKENS = 1024
+DEFAULT_MAX_TOKENS = 1024  # enough for the bundled model to recite its whole text
 
 
 def build_parser() -> UsageParser:
