@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 
 from spmd_engine import topology
@@ -44,6 +45,8 @@ def build_parser() -> UsageParser:
     p.add_argument("--pp-partition", default=None, metavar="3,3,2",
                    help="layers per PP stage (default: vLLM's even split)")
     p.add_argument("--output", default=None, metavar="FILE.jsonl")
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="limit for every collective and worker call (default: SPMD_ENGINE_TIMEOUT_S or 300)")
     p.add_argument("--quiet", action="store_true", help="no logs or progress")
     return p
 
@@ -87,7 +90,7 @@ def llm_from_args(args):
                distributed_executor_backend=args.distributed_executor_backend, seed=args.seed,
                dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                enable_expert_parallel=args.enable_expert_parallel, pp_partition=args.pp_partition,
-               nnodes=args.nnodes)
+               nnodes=args.nnodes, timeout_s=args.timeout)
 
 
 def result_record(index: int, prompt: PromptInput, out) -> dict:
@@ -117,9 +120,29 @@ def generate_records(llm, prompts: list[PromptInput], params: SamplingParams, in
     return [result_record(i, prompts[i], out) for i, out in zip(indices, outs)]
 
 
+def check_same_invocation(args, prompts: list[PromptInput]) -> None:
+    """Every rank must have the same flags and prompts; compare a hash through the
+    launcher's store before any group or model exists, and fail on every rank."""
+    import hashlib
+
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+    digest = hashlib.sha256(repr((sorted(vars(args).items()), prompts)).encode()).hexdigest()
+    store, rank, world = _get_default_store(), dist.get_rank(), dist.get_world_size()
+    store.set(f"spmd_engine/invocation/{rank}", digest)
+    others = [store.get(f"spmd_engine/invocation/{r}").decode() for r in range(world)]
+    odd = [r for r, d in enumerate(others) if d != others[0]]
+    if odd:
+        raise ConfigError(f"ranks {odd} were started with different flags or prompts than rank 0")
+
+
 def run_launched(args, prompts, params) -> list[dict] | None:
     """Under torchrun/srun: this replica's share, gathered to global rank 0."""
     import torch.distributed as dist
+
+    from spmd_engine.distributed import init_distributed_environment
+    init_distributed_environment(timeout_s=args.timeout)
+    check_same_invocation(args, prompts)
     llm = llm_from_args(args)
     try:
         from spmd_engine.distributed import get_world_group
@@ -175,8 +198,16 @@ def _launched() -> bool:
     return launched_by_torchrun(os.environ) or "SLURM_PROCID" in os.environ
 
 
+def _exit_on_sigterm() -> None:
+    """SIGTERM unwinds like SIGINT, so `finally` blocks stop workers and free shared memory."""
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+    signal.signal(signal.SIGTERM, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _exit_on_sigterm()
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format=f"[rank{_global_rank()}] %(message)s")
     rank0 = _global_rank() == 0
@@ -194,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
         if rank0:
             print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"error: [rank {_global_rank()}] interrupted", file=sys.stderr)
+        return 130
     except Exception as exc:  # runtime failure: one line per rank that saw it
         print(f"error: [rank {_global_rank()}] {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_RUNTIME

@@ -29,6 +29,7 @@ class EngineCore:
             self.executor.shutdown()
             raise
         self.num_kv_slots = num_slots
+        logger.info("engine ready: %d KV slots of %d tokens", num_slots, max_model_len)
         self.scheduler = Scheduler(num_slots, max_model_len, eos_token_id)
 
     def add_request(self, request: Request) -> None:

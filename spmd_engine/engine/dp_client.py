@@ -8,6 +8,7 @@ does not take the others down: their results are kept on the raised error.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import traceback
@@ -17,6 +18,7 @@ from spmd_engine import topology
 from spmd_engine.config import EngineConfig
 from spmd_engine.engine.core import EngineDeadError
 from spmd_engine.engine.request import Request
+from spmd_engine.executor.abstract import dumps_method, loads_method
 
 POLL_S = 0.2
 
@@ -35,7 +37,8 @@ class DPEngineClient:
             parent, child = ctx.Pipe()
             name = topology.engine_core_name(dp_rank, dp_size)
             proc = ctx.Process(target=run_engine_core, name=name, daemon=False,
-                               args=(replica_config, executor_class, max_model_len, eos, name, child, os.getpid()))
+                               args=(replica_config, executor_class, max_model_len, eos, name, child, os.getpid(),
+                                     logging.getLogger("spmd_engine").getEffectiveLevel()))
             proc.start()
             child.close()
             self.procs.append(proc)
@@ -79,7 +82,7 @@ class DPEngineClient:
 
     def collective_rpc(self, method, args=(), kwargs=None, unique_reply_rank=None):
         for conn in self.conns:
-            conn.send(("rpc", (method, args, kwargs, unique_reply_rank)))
+            conn.send(("rpc", (dumps_method(method), args, kwargs, unique_reply_rank)))
         return [r for i in range(len(self.procs)) for r in self._reply(i, "collective_rpc")]
 
     def shutdown(self) -> None:
@@ -99,12 +102,14 @@ class DPEngineClient:
         self.procs, self.conns = [], []
 
 
-def run_engine_core(config, executor_class, max_model_len, eos, name, conn, parent_pid) -> None:
+def run_engine_core(config, executor_class, max_model_len, eos, name, conn, parent_pid,
+                    log_level=logging.WARNING) -> None:
     """Body of an EngineCore_DP{i} process: build the engine, then serve the front end."""
     from spmd_engine.engine.core import EngineCore
     from spmd_engine.proc_util import die_with_parent, set_process_title
     set_process_title(name)
     die_with_parent(parent_pid)
+    logging.basicConfig(level=log_level, format=f"[{name}] %(message)s")
     try:
         core = EngineCore(config, executor_class, max_model_len, eos)
     except BaseException as exc:
@@ -125,7 +130,8 @@ def run_engine_core(config, executor_class, max_model_len, eos, name, conn, pare
                         core.add_request(request)
                     conn.send(("ok", core.run_until_done()))
                 elif kind == "rpc":
-                    conn.send(("ok", core.executor.collective_rpc(*payload)))
+                    method, args, kwargs, reply_rank = payload
+                    conn.send(("ok", core.executor.collective_rpc(loads_method(method), args, kwargs, reply_rank)))
             except Exception as exc:
                 conn.send(("error", _one_line(exc)))
     finally:

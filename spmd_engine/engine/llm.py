@@ -17,6 +17,7 @@ from spmd_engine import topology
 from spmd_engine.config import (
     ConfigError, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
 )
+from spmd_engine.engine.core import EngineDeadError
 from spmd_engine.engine.outputs import CompletionOutput, RequestOutput
 from spmd_engine.engine.request import Request
 from spmd_engine.sampling_params import SamplingParams
@@ -90,7 +91,14 @@ class LLM:
         requests = self._make_requests(prompts, sampling_params)
         if self.config.parallel_config.distributed_executor_backend == "external_launcher":
             self._check_same_inputs_across_replica(requests)
-        finished = {r.request_id: r for r in self._engine_generate(requests)}
+        try:
+            finished = {r.request_id: r for r in self._engine_generate(requests)}
+        except EngineDeadError as exc:
+            # Replicas that did not fail finished their requests: keep them, in input order.
+            done = {r.request_id: r for r in getattr(exc, "partial", [])}
+            exc.partial_outputs = [_to_output(done[r.request_id], self.inputs) if r.request_id in done else None
+                                   for r in requests]
+            raise
         return [_to_output(finished[r.request_id], self.inputs) for r in requests]
 
     def _engine_generate(self, requests: list[Request]) -> list[Request]:

@@ -8,10 +8,27 @@ the replies as a list, or only the `unique_reply_rank`'s reply as a list of one.
 
 from __future__ import annotations
 
+import pickle
 from abc import ABC, abstractmethod
 from typing import Any, Callable
 
 from spmd_engine.config import ConfigError, EngineConfig
+
+
+def dumps_method(method: str | Callable) -> str | bytes:
+    """A method name travels as is; a callable is pickled (cloudpickle, when installed,
+    also carries lambdas and closures)."""
+    if isinstance(method, str):
+        return method
+    try:
+        import cloudpickle
+        return cloudpickle.dumps(method, protocol=pickle.HIGHEST_PROTOCOL)
+    except ImportError:
+        return pickle.dumps(method, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def loads_method(method: str | bytes) -> str | Callable:
+    return pickle.loads(method) if isinstance(method, bytes) else method
 
 
 def run_method(obj: Any, method: str | Callable, args: tuple, kwargs: dict | None) -> Any:

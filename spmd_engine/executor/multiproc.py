@@ -15,25 +15,16 @@ import datetime
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
-import pickle
 import threading
 import weakref
 from typing import Any, Callable
 
 from spmd_engine import topology
-from spmd_engine.executor.abstract import Executor
+from spmd_engine.executor.abstract import Executor, dumps_method
 from spmd_engine.executor.shm_queue import MessageQueue
 from spmd_engine.executor.worker_proc import FAILURE, SHUTDOWN, WorkerHandle, start_worker
 
 logger = logging.getLogger("spmd_engine")
-
-
-def _dumps_callable(method: Callable) -> bytes:
-    try:
-        import cloudpickle  # optional: lambdas and closures
-        return cloudpickle.dumps(method, protocol=pickle.HIGHEST_PROTOCOL)
-    except ImportError:
-        return pickle.dumps(method, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 class MultiprocExecutor(Executor):
@@ -114,7 +105,7 @@ class MultiprocExecutor(Executor):
                        unique_reply_rank: int | None = None, timeout: float | None = None) -> list[Any]:
         if self.is_failed:
             raise RuntimeError("Executor failed.")
-        send_method = method if isinstance(method, str) else _dumps_callable(method)
+        send_method = dumps_method(method)
         timeout = self.config.timeout_s if timeout is None else timeout
         self.rpc_broadcast_mq.enqueue((send_method, args, kwargs, unique_reply_rank), timeout=timeout)
         ranks = range(self.world_size) if unique_reply_rank is None else (unique_reply_rank,)

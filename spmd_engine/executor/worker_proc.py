@@ -8,9 +8,9 @@ over a pipe, then serves calls until told to stop or until its engine is gone
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
-import pickle
 import traceback
 from dataclasses import dataclass
 
@@ -50,21 +50,23 @@ def start_worker(config, local_rank: int, init_method: str, dp_local_rank: int,
     from spmd_engine.proc_util import mp_context
     ctx = mp_context()
     reader, writer = ctx.Pipe(duplex=False)
+    log_level = logging.getLogger("spmd_engine").getEffectiveLevel()
     proc = ctx.Process(target=worker_main, name=name, daemon=True,
                        args=(config, local_rank, init_method, dp_local_rank, rpc_handle,
-                             response_handle, writer, os.getpid(), name))
+                             response_handle, writer, os.getpid(), name, log_level))
     proc.start()
     writer.close()
     return WorkerHandle(name, local_rank, proc, reader)
 
 
 def worker_main(config, local_rank, init_method, dp_local_rank, rpc_handle, response_handle,
-                ready_conn, parent_pid, name) -> None:
-    from spmd_engine.executor.abstract import run_method
+                ready_conn, parent_pid, name, log_level=logging.WARNING) -> None:
+    from spmd_engine.executor.abstract import loads_method, run_method
     from spmd_engine.proc_util import die_with_parent, set_process_title
     from spmd_engine.worker import Worker
     set_process_title(name)
     die_with_parent(parent_pid)
+    logging.basicConfig(level=log_level, format=f"[{name}] %(message)s")
     rpc = MessageQueue.attach(rpc_handle, reader_index=local_rank)
     response = MessageQueue.attach_writer(response_handle)
     worker = None
@@ -90,8 +92,7 @@ def worker_main(config, local_rank, init_method, dp_local_rank, rpc_handle, resp
                 return
             if method == SHUTDOWN:
                 return
-            if isinstance(method, bytes):
-                method = pickle.loads(method)
+            method = loads_method(method)
             try:
                 status, result = SUCCESS, run_method(worker, method, args, kwargs)
             except Exception as exc:
