@@ -120,6 +120,16 @@ def generate_records(llm, prompts: list[PromptInput], params: SamplingParams, in
     return [result_record(i, prompts[i], out) for i, out in zip(indices, outs)]
 
 
+def check_launched_world(args) -> None:
+    """The launcher's world must hold whole replicas: fail on every rank before any rendezvous."""
+    from spmd_engine.distributed.launch_env import read_launch_env
+    launch = read_launch_env(os.environ)
+    if launch is not None:
+        topology.Layout.for_world(launch.world_size, tp=args.tensor_parallel_size,
+                                  pp=args.pipeline_parallel_size, pcp=args.prefill_context_parallel_size,
+                                  dp=args.data_parallel_size)
+
+
 def check_same_invocation(args, prompts: list[PromptInput]) -> None:
     """Every rank must have the same flags and prompts; compare a hash through the
     launcher's store before any group or model exists, and fail on every rank."""
@@ -218,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         check_model_and_prompts(args, prompts)
         if _launched() and args.distributed_executor_backend in (None, "external_launcher"):
             args.distributed_executor_backend = "external_launcher"
+            check_launched_world(args)
             records = run_launched(args, prompts, params)
         else:
             records = run_local(args, prompts, params)

@@ -167,3 +167,11 @@ def test_bad_input_under_torchrun_ends_every_rank():
     assert "(exitcode: 2)" in launch.stderr, launch.describe()
     assert launch.stderr.count("error: tensor_parallel_size 3 must divide") == 1  # printed by rank 0 only
     assert not launch.leftover_pids
+
+
+@pytest.mark.timeout(120)
+def test_world_size_that_does_not_hold_whole_replicas():
+    launch = run_torchrun(3, ["-m", "spmd_engine.run", "-tp", 2], timeout=100)
+    assert not launch.timed_out and launch.returncode == 1, launch.describe()
+    assert "error: world size 3 is not a multiple of TP x PP x PCP x DP = 2x1x1x1 = 2" in launch.stderr
+    assert "(exitcode: 2)" in launch.stderr and not launch.leftover_pids
