@@ -208,6 +208,17 @@ def _launched() -> bool:
     return launched_by_torchrun(os.environ) or "SLURM_PROCID" in os.environ
 
 
+def _record_for_torchrun(exc: BaseException) -> None:
+    """Write torchrun's error file, so its summary names this rank's root cause."""
+    if "TORCHELASTIC_ERROR_FILE" not in os.environ:
+        return
+    try:
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+        ErrorHandler().record_exception(exc)
+    except Exception:  # the error line above already went out; never mask it
+        pass
+
+
 def _exit_on_sigterm() -> None:
     """SIGTERM unwinds like SIGINT, so `finally` blocks stop workers and free shared memory."""
     def handler(signum, frame):
@@ -241,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as exc:  # runtime failure: one line per rank that saw it
         print(f"error: [rank {_global_rank()}] {type(exc).__name__}: {exc}", file=sys.stderr)
+        _record_for_torchrun(exc)
         return EXIT_RUNTIME
     if records is not None:
         write_records(records, args.output)

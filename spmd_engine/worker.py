@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import replace
 
 import torch
@@ -41,6 +42,8 @@ class Worker:
         self.model = None
         self.sampler = Sampler()
         self._pending: tuple[list[str], torch.Tensor] | None = None
+        # Wall-clock marks (time.time()) of start-up phases, for benchmarks: get_timings().
+        self.timings: dict[str, float] = {"worker_created": time.time()}
 
     # -- start-up ---------------------------------------------------------
     def init_device(self) -> None:
@@ -55,7 +58,11 @@ class Worker:
                 index = topology.device_index_mp(layout, self.local_rank, self.dp_local_rank)
             self.device = torch.device(f"cuda:{index}")
             torch.cuda.set_device(self.device)
+        self.timings["init_device_start"] = time.time()
         self._init_groups()
+        self.timings["groups_created"] = time.time()
+        logger.debug("rank %d: process groups created in %.3fs", self.rank,
+                     self.timings["groups_created"] - self.timings["init_device_start"])
 
     def _init_groups(self) -> None:
         from spmd_engine.distributed import (
@@ -96,8 +103,12 @@ class Worker:
     def load_model(self) -> None:
         from spmd_engine.model.loader import load_model
         mc = self.config.model_config
+        self.timings["load_start"] = time.time()
         self.model = load_model(mc.model_dir, self.tp_group, self.pp_group, dtype=mc.dtype,
                                 device=self.device, pp_partition=mc.pp_partition)
+        self.timings["load_done"] = time.time()
+        logger.debug("rank %d: weights loaded in %.3fs", self.rank,
+                     self.timings["load_done"] - self.timings["load_start"])
 
     def determine_num_kv_slots(self, max_num_seqs: int, max_model_len: int) -> int:
         """How many sequences' KV cache fit here; the minimum over the whole world."""
@@ -181,6 +192,15 @@ class Worker:
     def check_health(self) -> bool:
         return True
 
+    def get_timings(self) -> dict[str, float]:
+        """Start-up marks (time.time()) plus this process's start time and peak RSS (bytes)."""
+        import resource
+        out = dict(self.timings)
+        out["process_start"] = _process_start_time()
+        out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        out["pid"] = os.getpid()
+        return out
+
     def shutdown(self) -> None:
         from spmd_engine.distributed import destroy_distributed_environment, destroy_model_parallel
         self.model = None
@@ -191,6 +211,18 @@ class Worker:
             if dist.is_initialized():
                 dist.destroy_process_group()
             self._owns_default_group = False
+
+
+def _process_start_time() -> float:
+    """When this process started (time.time() scale), from /proc; nan where unavailable."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            btime = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return btime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, StopIteration, IndexError):
+        return float("nan")
 
 
 def replace_dp(pc):

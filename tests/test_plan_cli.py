@@ -83,3 +83,19 @@ def test_human_readable_plan_shows_grid_groups_processes():
     assert "dp  [0, 4] [1, 5] [2, 6] [3, 7]" in out
     assert "[2, 3] / [1, 3] / [3, 7]" in out  # rank 3's three groups
     assert "EngineCore_DP1 (own process) -> 4 workers, devices 4..7" in out
+
+
+@pytest.mark.timeout(120)
+def test_live_check_under_torchrun():
+    from launch import run_torchrun
+    launch = run_torchrun(8, ["-m", "spmd_engine.plan", "-tp", "2", "-pp", "2", "-dp", "2", "--live"], timeout=100)
+    assert launch.returncode == 0, launch.describe()
+    verdicts = [line for line in launch.stdout.splitlines() if line.strip()]
+    assert len(verdicts) == 1 and verdicts[0].startswith("live check passed: 8 ranks"), launch.describe()
+    assert not launch.leftover_pids
+
+
+@pytest.mark.timeout(60)
+def test_live_check_needs_a_launcher():
+    proc = run_plan("-tp", "2", "--live")
+    assert proc.returncode == 2 and proc.stderr.strip() == "error: --live needs a launcher: run it under torchrun or srun"

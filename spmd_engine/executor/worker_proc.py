@@ -59,6 +59,24 @@ def start_worker(config, local_rank: int, init_method: str, dp_local_rank: int,
     return WorkerHandle(name, local_rank, proc, reader)
 
 
+def _share_cores(config) -> None:
+    """Give each worker its share of this host's cores (unless OMP_NUM_THREADS says otherwise).
+
+    torch defaults every process to all cores; with several workers per host that
+    oversubscribes the CPU and the ranks' threads fight over cores during every layer.
+    """
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    import torch
+    pc = config.parallel_config
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    per_host = max(1, pc.world_size * max(1, pc.data_parallel_size))
+    torch.set_num_threads(max(1, cores // per_host))
+
+
 def worker_main(config, local_rank, init_method, dp_local_rank, rpc_handle, response_handle,
                 ready_conn, parent_pid, name, log_level=logging.WARNING) -> None:
     from spmd_engine.executor.abstract import loads_method, run_method
@@ -67,6 +85,7 @@ def worker_main(config, local_rank, init_method, dp_local_rank, rpc_handle, resp
     set_process_title(name)
     die_with_parent(parent_pid)
     logging.basicConfig(level=log_level, format=f"[{name}] %(message)s")
+    _share_cores(config)
     rpc = MessageQueue.attach(rpc_handle, reader_index=local_rank)
     response = MessageQueue.attach_writer(response_handle)
     worker = None
