@@ -42,7 +42,8 @@ def time_per_call(fn, x: torch.Tensor, src: torch.Tensor, iters: int) -> float:
     return (time.perf_counter() - start) / iters
 
 
-def bench(args, rank: int | None = None, world: int | None = None, port: int | None = None) -> None:
+def bench(args, rank: int | None = None, world: int | None = None, port: int | None = None) -> list[dict]:
+    """Run both paths in this rank; returns the figures on rank 0 (empty list elsewhere)."""
     if port is not None:
         sd.init_distributed_environment(world, rank, distributed_init_method=f"tcp://127.0.0.1:{port}")
     else:
@@ -93,16 +94,40 @@ def bench(args, rank: int | None = None, world: int | None = None, port: int | N
         lines.append({"name": f"shm_allreduce_{args.kib}KiB_{name}_bitwise_identical",
                       "value": identical and exact, "baseline": True, "ratio": 1.0 if identical and exact else 0.0,
                       "params": {**params, "unit": "bool (same bits on all ranks, equal to rank-order sum)"}})
-    if me == 0:
-        for line in lines:
-            print(json.dumps(line), flush=True)
     sd.destroy_distributed_environment()
+    return lines if me == 0 else []
 
 
-def _spawned(rank: int, port: int, args) -> None:
+def _spawned(rank: int, port: int, args, results=None) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    bench(args, rank, 2, port)
+    lines = bench(args, rank, 2, port)
+    if results is not None and rank == 0:
+        results.put(lines)
+    elif rank == 0:
+        for line in lines:
+            print(json.dumps(line), flush=True)
+
+
+def run_two_ranks(args) -> list[dict]:
+    """Spawn two ranks on this host, run `bench`, return rank 0's figures (for scripts/bench.py)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_spawned, args=(r, port, args, results)) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    try:
+        lines = results.get(timeout=args.timeout)
+    finally:
+        for proc in procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    return lines
 
 
 def main() -> None:
@@ -115,7 +140,8 @@ def main() -> None:
     args = p.parse_args()
     if read_launch_env(os.environ) is not None:
         torch.set_num_threads(1)
-        bench(args)
+        for line in bench(args):
+            print(json.dumps(line), flush=True)
         return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -110,3 +110,49 @@ def test_errors_before_any_process(ckpt):
             llm.generate("hello")
         with pytest.raises(ConfigError, match="token id 300 outside the vocabulary"):
             llm.generate([[300]])
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid`, from /proc (children of children included)."""
+    kids: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z":
+                kids.setdefault(int(fields[1]), []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in kids.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def process_names(pids) -> list[str]:
+    names = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            pass
+    return sorted(n for n in names if not n.startswith("python"))  # multiprocessing's resource tracker
+
+
+@pytest.mark.timeout(120)
+def test_mp_processes_are_the_plan_and_visible_in_ps(ckpt):
+    """DP=2 x TP=2 under mp: EngineCore_DP0 and EngineCore_DP1, each with its own two
+    workers; with this front end, the plan's process total."""
+    from spmd_engine import topology
+    layout = topology.Layout(tp=2, dp=2)
+    plan = topology.process_plan(layout, "mp")
+    with LLM(model=str(ckpt), data_parallel_size=2, tensor_parallel_size=2):
+        names = process_names(descendants(os.getpid()))
+    expected = sorted([*plan.engine_cores, *(topology.worker_name(layout, topology.rank_to_coord(layout, r))
+                                              for r in range(layout.world_size_across_dp))])
+    assert names == [n[:15] for n in expected]  # the kernel keeps 15 characters of a name
+    assert len(names) + 1 == plan.total

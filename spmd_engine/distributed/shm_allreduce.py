@@ -67,6 +67,13 @@ def _process_identity(pid: int) -> str | None:
     return None if fields[0] in ("Z", "X") else fields[19]
 
 
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
 class ShmAllReduce:
     """One group's shared segment; build it with `ShmAllReduce.create` (collective)."""
 
@@ -81,6 +88,9 @@ class ShmAllReduce:
         self._views: dict[tuple[int, torch.dtype, int], list[torch.Tensor]] = {}
         self._gen = int(self._counters[rank])
         self.broken: str | None = None
+        # More ranks than cores: a spinning rank holds the core the rank it waits for needs,
+        # so wait politely (yield at once) instead of spinning first.
+        self._spins = 0 if nranks > _usable_cores() else 200
 
     # ---- construction -------------------------------------------------
     @classmethod
@@ -204,7 +214,7 @@ class ShmAllReduce:
     def _wait_for(self, peer: int, gen: int) -> None:
         """Spin briefly, then yield, then sleep with back-off; fail on timeout or a dead peer."""
         counters = self._counters
-        for _ in range(200):  # the common case: the peer is a few µs behind
+        for _ in range(self._spins):  # the common case: the peer is a few µs behind
             if counters[peer] >= gen:
                 return
         start = time.monotonic()
