@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _live(config: ParallelConfig, layout: Layout) -> int:
-    if not launched_by_torchrun(os.environ) and "SLURM_PROCID" not in os.environ:
+    from spmd_engine.distributed.launch_env import read_launch_env
+    if read_launch_env(os.environ) is None:
         print("error: --live needs a launcher: run it under torchrun or srun", file=sys.stderr)
         return EXIT_USAGE
     from spmd_engine.distributed.live_check import run_live_check

@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import sys
+import time
 
 from spmd_engine import topology
 from spmd_engine.cli_args import EXIT_USAGE, UsageParser, add_parallel_args
@@ -20,6 +21,8 @@ from spmd_engine.config import DTYPES, ConfigError, launched_by_torchrun
 from spmd_engine.prompts import PromptInput, load_prompts
 from spmd_engine.sampling_params import SamplingParams
 from spmd_engine.topology import TopologyError
+
+logger = logging.getLogger("spmd_engine")
 
 EXIT_RUNTIME = 1
 DEFAULT_MAX_TOKENS = 1024  # enough for the bundled model to recite its whole text
@@ -108,16 +111,59 @@ def result_record(index: int, prompt: PromptInput, out) -> dict:
     return record
 
 
-def generate_records(llm, prompts: list[PromptInput], params: SamplingParams, indices: list[int]) -> list[dict]:
-    """Generate for a share of the prompts, seeding each by its global index."""
+class Progress:
+    """Requests done and tokens/s on stderr, for a person watching a long run.
+
+    Shown by global rank 0 only, and only when stderr is a terminal and --quiet
+    is off, so tests and torchrun's --tee / --log-dir files stay clean. Under a
+    launcher rank 0 sees its own replica, and says so.
+    """
+
+    def __init__(self, total: int, label: str = "", stream=None):
+        self.total, self.label, self.stream = total, label, stream or sys.stderr
+        self.done = self.tokens = 0
+        self.start = time.monotonic()
+
+    def update(self, records: list[dict]) -> None:
+        self.done += len(records)
+        self.tokens += sum(len(r["token_ids"]) for r in records)
+        elapsed = max(time.monotonic() - self.start, 1e-9)
+        end = "\n" if self.done >= self.total else ""
+        print(f"\r[progress] {self.done}/{self.total} requests{self.label}, {self.tokens} tokens, "
+              f"{self.tokens / elapsed:.1f} tok/s, {elapsed:.0f}s", end=end, file=self.stream, flush=True)
+
+
+def progress_wanted(args) -> bool:
+    return not args.quiet and _global_rank() == 0 and sys.stderr.isatty()
+
+
+def chunk_size(args) -> int:
+    """Prompts per generate call while progress is shown: big enough to keep the batch full
+    most of the time (each chunk drains before the next starts)."""
+    return max(8 * args.max_num_seqs, 16)
+
+
+def generate_records(llm, prompts: list[PromptInput], params: SamplingParams, indices: list[int],
+                     chunk: int | None = None, progress: Progress | None = None) -> list[dict]:
+    """Generate for a share of the prompts, seeding each by its global index.
+
+    With `chunk`, generate that many prompts at a time (every rank of a replica
+    must use the same chunks) and report to `progress` after each.
+    """
     from dataclasses import replace
 
     from spmd_engine.engine.llm import request_seed
-    if not indices:
-        return []
-    per_prompt = [replace(params, seed=request_seed(llm.seed, i)) for i in indices]
-    outs = llm.generate([prompts[i].as_llm_input() for i in indices], per_prompt)
-    return [result_record(i, prompts[i], out) for i, out in zip(indices, outs)]
+    records: list[dict] = []
+    step = chunk or max(1, len(indices))
+    for start in range(0, len(indices), step):
+        part = indices[start:start + step]
+        per_prompt = [replace(params, seed=request_seed(llm.seed, i)) for i in part]
+        outs = llm.generate([prompts[i].as_llm_input() for i in part], per_prompt)
+        done = [result_record(i, prompts[i], out) for i, out in zip(part, outs)]
+        if progress is not None:
+            progress.update(done)
+        records.extend(done)
+    return records
 
 
 def check_launched_world(args) -> None:
@@ -146,6 +192,32 @@ def check_same_invocation(args, prompts: list[PromptInput]) -> None:
         raise ConfigError(f"ranks {odd} were started with different flags or prompts than rank 0")
 
 
+def shared_progress_choice(args) -> bool:
+    """Rank 0 decides whether progress is shown; every rank learns it through the launcher's
+    store, since all ranks of a replica must split their prompts into the same chunks."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+    store = _get_default_store()
+    if dist.get_rank() == 0:
+        store.set("spmd_engine/progress", "1" if progress_wanted(args) else "0")
+    return store.get("spmd_engine/progress").decode() == "1"
+
+
+def log_launch(llm) -> None:
+    """One line per rank: where the launcher put it and the device it got (local rank = device)."""
+    from spmd_engine.distributed.launch_env import read_launch_env
+    env = read_launch_env(os.environ)
+    if env is None:  # a default group made by someone else
+        return
+    try:
+        device = llm.collective_rpc(lambda worker: str(worker.device))[0]
+    except Exception:  # noqa: BLE001 - the line is informative only
+        device = "?"
+    logger.info("launch: source=%s rank=%d world=%d node=%d local_rank=%d local_world=%d device=%s backend=%s",
+                env.source, env.rank, env.world_size, env.node_rank, env.local_rank, env.local_world_size,
+                device, llm.config.parallel_config.distributed_executor_backend)
+
+
 def run_launched(args, prompts, params) -> list[dict] | None:
     """Under torchrun/srun: this replica's share, gathered to global rank 0."""
     import torch.distributed as dist
@@ -153,16 +225,23 @@ def run_launched(args, prompts, params) -> list[dict] | None:
     from spmd_engine.distributed import init_distributed_environment
     init_distributed_environment(timeout_s=args.timeout)
     check_same_invocation(args, prompts)
+    show_progress = shared_progress_choice(args)
     llm = llm_from_args(args)
     try:
         from spmd_engine.distributed import get_world_group
+        log_launch(llm)
         world = get_world_group()
         pc = llm.config.parallel_config
         layout = topology.Layout.for_world(world.world_size, tp=pc.tensor_parallel_size,
                                            pp=pc.pipeline_parallel_size, dp=pc.data_parallel_size)
         replica = llm.replica_index
         indices = list(range(replica, len(prompts), layout.num_replicas))
-        records = generate_records(llm, prompts, params, indices)
+        progress = None
+        if show_progress and world.rank == 0:
+            label = f" (replica 0 of {layout.num_replicas})" if layout.num_replicas > 1 else ""
+            progress = Progress(len(indices), label)
+        records = generate_records(llm, prompts, params, indices,
+                                   chunk=chunk_size(args) if show_progress else None, progress=progress)
         is_replica_head = world.rank % layout.world_size == 0
         gathered = [None] * world.world_size if world.rank == 0 else None
         dist.gather_object(records if is_replica_head else None, gathered, dst=0, group=world.cpu_group)
@@ -177,6 +256,9 @@ def run_launched(args, prompts, params) -> list[dict] | None:
 def run_local(args, prompts, params) -> list[dict]:
     llm = llm_from_args(args)
     try:
+        if progress_wanted(args):
+            return generate_records(llm, prompts, params, list(range(len(prompts))),
+                                    chunk=chunk_size(args), progress=Progress(len(prompts)))
         return generate_records(llm, prompts, params, list(range(len(prompts))))
     finally:
         llm.shutdown()
@@ -205,7 +287,8 @@ def _global_rank() -> int:
 
 
 def _launched() -> bool:
-    return launched_by_torchrun(os.environ) or "SLURM_PROCID" in os.environ
+    from spmd_engine.distributed.launch_env import read_launch_env
+    return read_launch_env(os.environ) is not None
 
 
 def _record_for_torchrun(exc: BaseException) -> None:

@@ -78,7 +78,7 @@ def _free_job_id() -> str:
 def test_slurm_env_without_torchrun(tmp_path):
     """srun-style variables only (no RANK): host from the nodelist, port from the job id."""
     job_id = _free_job_id()
-    envs = [dict(SLURM_PROCID=str(r), SLURM_LOCALID=str(r), SLURM_NTASKS="2", SLURM_NODEID="0",
+    envs = [dict(SLURM_STEP_ID="0", SLURM_PROCID=str(r), SLURM_LOCALID=str(r), SLURM_NTASKS="2", SLURM_NODEID="0",
                  SLURM_JOB_NODELIST="localhost,node[02-03]", SLURM_TASKS_PER_NODE="2(x1)",
                  SLURM_JOB_ID=job_id, SPMD_ENGINE_TIMEOUT_S="30") for r in range(2)]
     launch = run_ranks_with_env(2, [SCRIPT, "slurm", "--out", tmp_path], envs, timeout=50)

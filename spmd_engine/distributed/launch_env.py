@@ -166,12 +166,15 @@ def read_launch_env(environ: Mapping[str, str]) -> LaunchEnv | None:
     """The launch this process belongs to, or None when nothing launched it.
 
     torchrun's variables win over SLURM's (torchrun inside srun is common). A
-    SLURM launch is recognised by SLURM_PROCID together with SLURM_NTASKS (or
-    SLURM_NPROCS), which srun exports to every task.
+    SLURM launch is recognised by SLURM_PROCID and SLURM_NTASKS (or SLURM_NPROCS)
+    together with SLURM_STEP_ID, which only srun exports to its tasks: a plain
+    command typed in an sbatch or salloc shell also sees the allocation's task
+    count, and must not wait for ranks that will never come.
     """
     if "RANK" in environ and "WORLD_SIZE" in environ:
         env = _from_torchrun(environ)
-    elif "SLURM_PROCID" in environ and ("SLURM_NTASKS" in environ or "SLURM_NPROCS" in environ):
+    elif ("SLURM_PROCID" in environ and "SLURM_STEP_ID" in environ
+          and ("SLURM_NTASKS" in environ or "SLURM_NPROCS" in environ)):
         env = _from_slurm(environ)
     else:
         return None

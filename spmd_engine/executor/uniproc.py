@@ -47,7 +47,8 @@ class ExecutorWithExternalLauncher(UniProcExecutor):
     """One engine per torchrun process; all ranks of a replica run the same schedule."""
 
     def _make_worker(self) -> Worker:
-        if "RANK" not in os.environ and "SLURM_PROCID" not in os.environ:
+        from spmd_engine.distributed.launch_env import read_launch_env
+        if read_launch_env(os.environ) is None:
             import torch.distributed as dist
             if not dist.is_initialized():
                 raise ConfigError(
