@@ -159,20 +159,18 @@ class Worker:
 
     def _prepare_inputs(self, out: SchedulerOutput):
         from spmd_engine.model.attention import AttentionMetadata
-        lens = [len(s.token_ids) for s in out.seqs]
+        seqs = out.seqs
+        lens = [len(s.token_ids) for s in seqs]
         width = max(lens)
-        ids = torch.zeros((len(lens), width), dtype=torch.long)
-        for row, seq in enumerate(out.seqs):
-            ids[row, :lens[row]] = torch.tensor(seq.token_ids, dtype=torch.long)
-        context = torch.tensor([s.context_len for s in out.seqs], dtype=torch.long)
-        positions = context[:, None] + torch.arange(width)[None, :]
-        attn = AttentionMetadata(
-            slots=torch.tensor([s.slot for s in out.seqs], dtype=torch.long, device=self.device),
-            context_lens=context.to(self.device),
-            query_lens=torch.tensor(lens, dtype=torch.long, device=self.device),
-        )
-        last_index = torch.tensor(lens, dtype=torch.long, device=self.device) - 1
-        return ids.to(self.device), positions.to(self.device), attn, last_index
+        # One tensor construction per field (right-padded with 0), no per-row tensor or copy.
+        rows = [s.token_ids if n == width else s.token_ids + [0] * (width - n) for s, n in zip(seqs, lens)]
+        ids = torch.tensor(rows, dtype=torch.long)
+        meta = torch.tensor([[s.context_len for s in seqs], [s.slot for s in seqs], lens], dtype=torch.long)
+        context, slots, query_lens = meta.to(self.device).unbind(0)
+        positions = context[:, None] + torch.arange(width, device=self.device)[None, :]
+        attn = AttentionMetadata(slots=slots, context_lens=context, query_lens=query_lens)
+        last_index = query_lens - 1
+        return ids.to(self.device), positions, attn, last_index
 
     @torch.inference_mode()
     def sample_tokens(self, grammar_output=None) -> ModelRunnerOutput | None:

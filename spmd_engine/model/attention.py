@@ -30,6 +30,7 @@ class CachePlan:
     write_positions: torch.Tensor  # [N] its position in the cache
     mask: torch.Tensor  # [B, T, L] bool: query t may attend cached key j
     kv_len: int  # L: longest cached prefix after this step's writes
+    slot_prefix: int | None = None  # B when slots are exactly 0..B-1: read the cache by slicing, no gather
     _grouped: dict = field(default_factory=dict, repr=False)
 
     def grouped_mask(self, group: int) -> torch.Tensor:
@@ -73,6 +74,8 @@ def _build_plan(slots: torch.Tensor, context_lens: torch.Tensor, query_lens: tor
     keys = torch.arange(kv_len, device=device)
     mask = keys.view(1, 1, -1) <= positions.unsqueeze(-1)  # [B, T, L]; padded rows see >= key 0
     rows, cols = valid.nonzero(as_tuple=True)
+    B = slots.numel()
+    prefix = B if B and bool((slots == torch.arange(B, device=device)).all()) else None
     return CachePlan(
         valid=valid,
         rows=rows,
@@ -81,6 +84,7 @@ def _build_plan(slots: torch.Tensor, context_lens: torch.Tensor, query_lens: tor
         write_positions=positions[rows, cols],
         mask=mask,
         kv_len=kv_len,
+        slot_prefix=prefix,
     )
 
 
@@ -129,8 +133,12 @@ class Attention(nn.Module):
             raise RuntimeError("KV cache not allocated: call model.allocate_kv_cache(num_slots, max_model_len)")
         self.k_cache[plan.write_slots, :, plan.write_positions] = k[plan.rows, plan.cols]
         self.v_cache[plan.write_slots, :, plan.write_positions] = v[plan.rows, plan.cols]
-        keys = self.k_cache[slots, :, : plan.kv_len]  # [B, kv_heads, L, D]
-        values = self.v_cache[slots, :, : plan.kv_len]
+        if plan.slot_prefix is not None:  # views, no copy of every row's cached prefix
+            keys = self.k_cache[: plan.slot_prefix, :, : plan.kv_len]  # [B, kv_heads, L, D]
+            values = self.v_cache[: plan.slot_prefix, :, : plan.kv_len]
+        else:
+            keys = self.k_cache[slots, :, : plan.kv_len]  # [B, kv_heads, L, D]
+            values = self.v_cache[slots, :, : plan.kv_len]
         # Grouped-query attention without copying K/V per query head: fold the
         # query heads sharing a KV head into the token axis, [B, kv, group*T, D].
         B, T = q.shape[:2]

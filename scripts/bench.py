@@ -1,0 +1,377 @@
+#!/usr/bin/env python
+"""spmd_engine benchmarks, each figure a ratio against a baseline measured in the same run.
+
+    .venv/bin/python scripts/bench.py [--only rpc,allreduce,decode,tp,tp4,startup,load] [--quick]
+
+Prints one JSON line per figure: {"name", "value", "baseline", "ratio", "unit", "params"};
+value and baseline are medians over --reps repetitions, interleaved so machine noise
+(this box is shared) hits both. "ratio" is oriented so that > 1 means we are better
+than the baseline, except where params["ratio"] says otherwise.
+
+Figures
+  rpc        MultiprocExecutor.collective_rpc("check_health"), TP=2 workers, vs a
+             multiprocessing.Pipe echo (ratio = value / baseline, lower is better)
+  allreduce  TP all-reduce 32 KiB, 2 ranks: shared memory vs gloo (bench_allreduce.py)
+  decode     LLM.generate (uni) tokens/s vs HF transformers generate (or a plain PyTorch
+             decode loop) on the same random Llama weights, fp32 and bf16; plus the
+             fraction of the memory-bandwidth roofline (bandwidth measured by a tensor sum)
+  tp         TP=2 mp (one thread per rank) vs uni (two threads), same model and batch
+  tp4        TP=4 mp on this host (processes may outnumber cores) vs uni, tokens/s
+  startup    torchrun world 8 (TP2 PP2 DP2, bundled model): launch to first token of
+             `spmd_engine.run`, and phases from scripts/bench_rank.py; group creation vs
+             number of groups (worlds 2, 4, 8)
+  load       peak RSS per rank at TP 1, 2, 4 vs checkpoint size; load throughput vs
+             reading the file
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE))
+
+import bench_allreduce  # noqa: E402  (measurement code reused, not copied)
+import bench_rpc_transport  # noqa: E402
+from make_random_checkpoint import make_random_checkpoint  # noqa: E402
+
+FIGURES = ("rpc", "allreduce", "decode", "tp", "tp4", "startup", "load")
+LLAMA_SHAPE = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2, intermediate_size=1536,
+                   vocab_size=32000)
+
+
+def emit(name, value, baseline, ratio, unit, **params) -> None:
+    r = lambda x: round(x, 4) if isinstance(x, float) else x  # noqa: E731
+    print(json.dumps({"name": name, "value": r(value), "baseline": r(baseline), "ratio": r(ratio),
+                      "unit": unit, "params": params}), flush=True)
+
+
+def loadavg() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+# ---------------------------------------------------------------- rpc
+def fig_rpc(args) -> None:
+    from spmd_engine import LLM
+    iters = 300 if args.quick else 2000
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    echo = ctx.Process(target=bench_rpc_transport.pipe_worker_main, args=(child, 0), daemon=True)
+    echo.start()
+    msg = ("check_health", (), None, None)
+    load0 = loadavg()
+    llm = LLM(tensor_parallel_size=2, distributed_executor_backend="mp")
+    try:
+        def rpc_call():
+            llm.collective_rpc("check_health")
+
+        def pipe_call():
+            conn.send(msg)
+            conn.recv()
+        bench_rpc_transport.timed(rpc_call, 100), bench_rpc_transport.timed(pipe_call, 100)
+        rpc_med, pipe_med = [], []
+        for _ in range(args.reps):
+            rpc_med.append(statistics.median(bench_rpc_transport.timed(rpc_call, iters)))
+            pipe_med.append(statistics.median(bench_rpc_transport.timed(pipe_call, iters)))
+    finally:
+        llm.shutdown()
+        conn.send(None)
+        echo.join(5)
+    v, b = statistics.median(rpc_med), statistics.median(pipe_med)
+    emit("rpc_collective_rpc_round_trip", v, b, v / b, "us", ratio_is="value/baseline, lower is better; target <= 1.0",
+         value_is="LLM(tp=2, mp).collective_rpc('check_health'): broadcast to 2 workers, 2 replies",
+         baseline_is="multiprocessing.Pipe echo with one child process", iters=iters, reps=args.reps,
+         rep_medians_us={"rpc": [round(x, 1) for x in rpc_med], "pipe": [round(x, 1) for x in pipe_med]},
+         loadavg_1m=[load0, loadavg()])
+
+
+# ---------------------------------------------------------------- all-reduce
+def fig_allreduce(args) -> None:
+    ns = argparse.Namespace(iters=50 if args.quick else 200, reps=args.reps, kib=32, timeout=300, no_pin=False)
+    for line in bench_allreduce.run_two_ranks(ns):
+        params = dict(line["params"])
+        unit = params.pop("unit")
+        if line["name"].endswith("_us"):
+            params["ratio_is"] = "baseline/value (gloo time / shm time), target >= 20"
+        print(json.dumps({**line, "unit": unit, "params": params}), flush=True)
+
+
+# ---------------------------------------------------------------- decode
+def random_llama(args) -> str:
+    path = Path(args.workdir) / "llama_h512_l8"
+    if not (path / "config.json").exists():
+        make_random_checkpoint(path, **LLAMA_SHAPE)
+    return str(path)
+
+
+def prompts_for(batch: int, prompt_len: int, vocab: int) -> list[list[int]]:
+    return [[(7919 * i + 31 * j) % (vocab - 3) + 3 for j in range(prompt_len)] for i in range(batch)]
+
+
+def time_engine(llm, prompts, new_tokens: int) -> float:
+    from spmd_engine import SamplingParams
+    sp = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, sp)
+    dt = time.perf_counter() - t
+    assert all(len(o.outputs[0].token_ids) == new_tokens for o in outs)
+    return len(prompts) * new_tokens / dt
+
+
+def hf_generator(model_dir: str, dtype):
+    """(tokens/s function, kind): transformers' generate if importable, else a plain torch loop."""
+    import torch
+    try:
+        from transformers import LlamaForCausalLM
+        model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=dtype).eval()
+
+        def run(prompts, new_tokens):
+            ids = torch.tensor(prompts)
+            t = time.perf_counter()
+            with torch.inference_mode():
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                     min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+            dt = time.perf_counter() - t
+            assert out.shape[1] == ids.shape[1] + new_tokens
+            return len(prompts) * new_tokens / dt
+        return run, "transformers.generate"
+    except ImportError:
+        return plain_torch_generator(model_dir, dtype), "plain PyTorch decode loop"
+
+
+def plain_torch_generator(model_dir: str, dtype):
+    """Unsharded reference decode: our CausalLM without the engine (no scheduler, no RPC)."""
+    import torch
+    from spmd_engine.model.attention import AttentionMetadata
+    from spmd_engine.model.loader import load_model
+    from tests.fake_groups import single_group  # type: ignore
+    g = single_group()
+    model = load_model(model_dir, g, g, dtype=dtype)
+
+    def run(prompts, new_tokens):
+        B, T = len(prompts), len(prompts[0])
+        model.allocate_kv_cache(B, T + new_tokens)
+        ids = torch.tensor(prompts)
+        slots = torch.arange(B)
+        t = time.perf_counter()
+        with torch.inference_mode():
+            ctx = torch.zeros(B, dtype=torch.long)
+            q = torch.full((B,), T)
+            pos = torch.arange(T).expand(B, T)
+            for step in range(new_tokens):
+                h = model.forward(ids, pos, AttentionMetadata(slots, ctx, q))["hidden_states"][:, -1]
+                ids = model.compute_logits(h).argmax(-1, keepdim=True)
+                ctx = ctx + q
+                pos = ctx[:, None]
+                q = torch.ones(B, dtype=torch.long)
+        return B * new_tokens / (time.perf_counter() - t)
+    return run
+
+
+def read_bandwidth(mib: int = 512) -> float:
+    """Bytes/s of a large tensor sum (one read pass), all threads: the roofline's bandwidth."""
+    import torch
+    x = torch.ones(mib * 2 ** 20 // 4)
+    x.sum()
+    t = time.perf_counter()
+    for _ in range(5):
+        x.sum()
+    return 5 * x.numel() * 4 / (time.perf_counter() - t)
+
+
+def weight_bytes_per_step(model_dir: str, itemsize: int) -> int:
+    """Bytes of weights read per decode step: every matrix except the embedding (a gather)."""
+    s = LLAMA_SHAPE
+    h, i, v = s["hidden_size"], s["intermediate_size"], s["vocab_size"]
+    d = h // s["num_heads"]
+    per_layer = h * (s["num_heads"] + 2 * s["num_kv_heads"]) * d + s["num_heads"] * d * h + 3 * h * i + 2 * h
+    return (s["num_layers"] * per_layer + h + v * h) * itemsize
+
+
+def fig_decode(args) -> None:
+    import torch
+    from spmd_engine import LLM
+    model_dir = random_llama(args)
+    batch, plen, new = 8, 32, (16 if args.quick else 64)
+    prompts = prompts_for(batch, plen, LLAMA_SHAPE["vocab_size"])
+    for dtype_name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        llm = LLM(model=model_dir, dtype=dtype_name, max_model_len=plen + new + 8, max_num_seqs=batch,
+                  distributed_executor_backend="uni")
+        ref, kind = hf_generator(model_dir, dtype)
+        time_engine(llm, prompts, 4), ref(prompts, 4)  # warm-up
+        ours, theirs, bws = [], [], []
+        for _ in range(args.reps):
+            ours.append(time_engine(llm, prompts, new))
+            theirs.append(ref(prompts, new))
+            bws.append(read_bandwidth(256 if args.quick else 512))
+        llm.shutdown()
+        v, b = statistics.median(ours), statistics.median(theirs)
+        params = dict(batch=batch, prompt=plen, new_tokens=new, greedy=True, threads=torch.get_num_threads(),
+                      reps=args.reps, baseline_is=kind, loadavg_1m=loadavg(),
+                      ratio_is="value/baseline, higher is better" + ("; target >= 1.5" if dtype_name == "bfloat16" else ""))
+        emit(f"decode_tokens_per_s_{dtype_name}", v, b, v / b, "tokens/s", **params)
+        bw = statistics.median(bws)
+        step_bytes = weight_bytes_per_step(model_dir, dtype.itemsize)
+        achieved = step_bytes * v / batch  # weight bytes read per second at our step rate
+        emit(f"decode_roofline_fraction_{dtype_name}", achieved / 1e9, bw / 1e9, achieved / bw, "GB/s",
+             ratio_is="weight bytes read per step x steps/s over measured read bandwidth (1.0 = roofline)",
+             weight_bytes_per_step=step_bytes, bandwidth_probe="torch.sum over 512 MiB fp32, all threads")
+
+
+# ---------------------------------------------------------------- tp
+def fig_tp(args, tp: int = 2) -> None:
+    import torch
+    from spmd_engine import LLM
+    model_dir = random_llama(args)
+    batch, plen, new = 8, 32, (8 if args.quick else 32) if tp > 2 else (16 if args.quick else 64)
+    prompts = prompts_for(batch, plen, LLAMA_SHAPE["vocab_size"])
+    kw = dict(model=model_dir, dtype="float32", max_model_len=plen + new + 8, max_num_seqs=batch)
+    uni = LLM(distributed_executor_backend="uni", **kw)
+    par = LLM(tensor_parallel_size=tp, distributed_executor_backend="mp", **kw)
+    try:
+        time_engine(uni, prompts, 4), time_engine(par, prompts, 4)
+        u, p = [], []
+        for _ in range(args.reps if tp == 2 else max(1, args.reps // 2)):
+            p.append(time_engine(par, prompts, new))
+            u.append(time_engine(uni, prompts, new))
+    finally:
+        par.shutdown()
+        uni.shutdown()
+    v, b = statistics.median(p), statistics.median(u)
+    emit(f"tp{tp}_mp_vs_uni_tokens_per_s", v, b, v / b, "tokens/s",
+         ratio_is="value/baseline" + ("; target >= 0.8" if tp == 2 else ""), cores=len(os.sched_getaffinity(0)),
+         uni_threads=torch.get_num_threads(), worker_threads="cores // workers (min 1)", batch=batch,
+         prompt=plen, new_tokens=new, dtype="float32", loadavg_1m=loadavg())
+
+
+# ---------------------------------------------------------------- startup
+def torchrun(nproc: int, argv: list[str], env: dict | None = None, timeout: float = 600):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), *argv]
+    e = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {}), "BENCH_LAUNCH_T": repr(time.time())}
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
+    wall = time.perf_counter() - t
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return wall, proc.stdout
+
+
+def rank_phases(nproc: int, tp: int, pp: int, dp: int, model: str | None = None, dtype: str | None = None):
+    argv = [str(HERE / "bench_rank.py"), "--tp", str(tp), "--pp", str(pp), "--dp", str(dp)]
+    if model:
+        argv += ["--model", model]
+    if dtype:
+        argv += ["--dtype", dtype]
+    wall, out = torchrun(nproc, argv)
+    line = next(l for l in out.splitlines() if l.startswith("BENCH_RANK "))
+    return wall, json.loads(line.removeprefix("BENCH_RANK "))
+
+
+def fig_startup(args) -> None:
+    reps = 1 if args.quick else max(1, args.reps // 2)
+    with tempfile.TemporaryDirectory() as tmp:
+        walls = []
+        for r in range(reps):
+            out = os.path.join(tmp, f"out{r}.jsonl")
+            wall, _ = torchrun(8, ["-m", "spmd_engine.run", "-tp", "2", "-pp", "2", "-dp", "2", "--max-tokens", "1",
+                                   "--prompt", "Hello", "--output", out, "--quiet"])
+            walls.append(wall)
+    # Baseline: the launcher starting 8 Pythons that import torch and exit.
+    base = []
+    for _ in range(reps):
+        base.append(torchrun(8, [str(HERE / "bench_rank.py"), "--help"])[0])
+    v, b = statistics.median(walls), statistics.median(base)
+    emit("startup_world8_launch_to_first_token", v, b, v / b, "s",
+         ratio_is="value/baseline: whole run vs torchrun starting 8 Pythons that import argparse only",
+         command="python -m torch.distributed.run --nproc-per-node 8 -m spmd_engine.run -tp 2 -pp 2 -dp 2 "
+                 "--max-tokens 1", reps=reps, loadavg_1m=loadavg())
+    # Phases (same layout, bench_rank.py), then group creation against the number of groups.
+    by_world = {}
+    for world, (tp, pp, dp) in ((2, (2, 1, 1)), (4, (2, 2, 1)), (8, (2, 2, 2))):
+        runs = [rank_phases(world, tp, pp, dp)[1] for _ in range(reps)]
+        def med(f):
+            return statistics.median(statistics.median(f(r, rec) for rec in r["ranks"]) for r in runs)
+        phases = {
+            "process_start_s": med(lambda r, rec: rec["entry"] - r["launch_t"]),
+            "import_s": med(lambda r, rec: rec["imported"] - rec["entry"]),
+            "default_group_s": med(lambda r, rec: rec["world_joined"] - rec["imported"]),
+            "group_creation_s": med(lambda r, rec: rec["groups_created"] - rec["world_joined"]),
+            "weight_load_s": med(lambda r, rec: rec["loaded"] - rec["groups_created"]),
+        }
+        calls = runs[0]["ranks"][0]["new_group_calls"]
+        by_world[world] = (calls, phases)
+        emit(f"startup_world{world}_phases", phases["group_creation_s"], sum(phases.values()),
+             phases["group_creation_s"] / sum(phases.values()), "s",
+             ratio_is="group creation / (process start .. weights loaded), median rank", layout=f"tp{tp} pp{pp} dp{dp}",
+             new_group_calls=calls, **{k: round(x, 3) for k, x in phases.items()})
+    c2, p2 = by_world[2]
+    c8, p8 = by_world[8]
+    emit("startup_group_creation_growth_world8_vs_world2", p8["group_creation_s"], p2["group_creation_s"],
+         p8["group_creation_s"] / p2["group_creation_s"], "s",
+         ratio_is="value/baseline: time growth; compare new_group_calls growth",
+         new_group_calls={w: c for w, (c, _) in by_world.items()},
+         ms_per_new_group={w: round(1e3 * p["group_creation_s"] / max(1, c), 2) for w, (c, p) in by_world.items()})
+
+
+# ---------------------------------------------------------------- load
+def fig_load(args) -> None:
+    model_dir = random_llama(args)
+    ckpt = Path(model_dir) / "model.safetensors"
+    size = ckpt.stat().st_size
+    for tp in (1, 2, 4):
+        runs, reads = [], []
+        for _ in range(1 if args.quick else max(1, args.reps // 2)):
+            runs.append(rank_phases(tp, tp, 1, 1, model_dir, "float32")[1])
+            t = time.perf_counter()
+            with open(ckpt, "rb", buffering=0) as f:
+                while f.read(64 << 20):
+                    pass
+            reads.append(size / (time.perf_counter() - t))
+        rss = statistics.median(max(rec["peak_rss_after_load"] - rec["peak_rss_before_load"] for rec in r["ranks"])
+                                for r in runs)
+        shard = runs[0]["ranks"][0]["shard_param_bytes"]
+        emit(f"load_tp{tp}_peak_rss_growth_per_rank", rss / 2 ** 20, size / 2 ** 20, rss / size, "MiB",
+             ratio_is="value/baseline: peak RSS growth during load (worst rank) / checkpoint size",
+             shard_param_mib=round(shard / 2 ** 20, 1), ideal_ratio=round(shard / size, 3))
+        # Throughput: bytes this rank's shard holds / load time, vs reading the whole file.
+        load_s = statistics.median(max(rec["loaded"] - rec["groups_created"] for rec in r["ranks"]) for r in runs)
+        thr = size / load_s
+        emit(f"load_tp{tp}_throughput", thr / 1e9, statistics.median(reads) / 1e9, thr / statistics.median(reads),
+             "GB/s", ratio_is="value/baseline: checkpoint bytes / slowest rank's load time vs plain read() of the "
+             "file (page cache warm)", load_s=round(load_s, 3), checkpoint_mib=round(size / 2 ** 20, 1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default=",".join(FIGURES), help=f"comma-separated subset of {','.join(FIGURES)}")
+    ap.add_argument("--quick", action="store_true", help="fewer iterations and tokens (smoke run)")
+    ap.add_argument("--reps", type=int, default=None, help="repetitions per figure (default 5, quick 3)")
+    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "spmd_engine_bench"),
+                    help="where the random checkpoint is written (reused between runs)")
+    args = ap.parse_args()
+    args.reps = args.reps or (3 if args.quick else 5)
+    chosen = [f.strip() for f in args.only.split(",") if f.strip()]
+    unknown = set(chosen) - set(FIGURES)
+    if unknown:
+        sys.exit(f"error: unknown figure(s) {sorted(unknown)}; choose from {','.join(FIGURES)}")
+    os.makedirs(args.workdir, exist_ok=True)
+    table = {"rpc": fig_rpc, "allreduce": fig_allreduce, "decode": fig_decode, "tp": fig_tp,
+             "tp4": lambda a: fig_tp(a, 4), "startup": fig_startup, "load": fig_load}
+    for name in FIGURES:
+        if name in chosen:
+            table[name](args)
+
+
+if __name__ == "__main__":
+    main()
