@@ -169,9 +169,12 @@ def test_sigkill_of_one_torchrun_rank_ends_the_job(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_sigterm_stops_cleanly_with_no_partial_output(tmp_path):
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 128 + signal.SIGTERM), (signal.SIGINT, 130)],
+                         ids=["SIGTERM", "SIGINT"])
+def test_signal_stops_cleanly_with_no_partial_output(tmp_path, signum, code):
     out = tmp_path / "out.jsonl"
-    env = base_env("sigterm")
+    tag = f"signal{int(signum)}"
+    env = base_env(tag)
     proc = subprocess.Popen([sys.executable, "-m", "spmd_engine.run", "-tp", "2", "--prompt", "Beautiful is",
                              "--output", str(out)], stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
                             start_new_session=True)
@@ -181,12 +184,12 @@ def test_sigterm_stops_cleanly_with_no_partial_output(tmp_path):
         while "engine ready" not in line and time.monotonic() < deadline:  # workers are up
             line = proc.stderr.readline()
         time.sleep(1.0)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=20) == 128 + signal.SIGTERM
+        proc.send_signal(signum)
+        assert proc.wait(timeout=20) == code
         deadline = time.monotonic() + 5
-        while tagged_pids("sigterm") and time.monotonic() < deadline:
+        while tagged_pids(tag) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not tagged_pids("sigterm")
+        assert not tagged_pids(tag)
         assert list(tmp_path.iterdir()) == []  # neither the file nor a temporary
     finally:
         if proc.poll() is None:
