@@ -156,3 +156,16 @@ def test_mp_processes_are_the_plan_and_visible_in_ps(ckpt):
                                               for r in range(layout.world_size_across_dp))])
     assert names == [n[:15] for n in expected]  # the kernel keeps 15 characters of a name
     assert len(names) + 1 == plan.total
+
+
+@pytest.mark.timeout(120)
+def test_llm_reuses_a_trainers_world_and_leaves_it_intact():
+    from launch import REPO, run_torchrun
+    launch = run_torchrun(4, [str(REPO / "tests" / "dist_scripts" / "trainer_reuse.py")], timeout=100)
+    assert launch.returncode == 0, launch.describe()
+    lines = sorted(line for line in launch.stdout.splitlines() if line.startswith("rank "))
+    assert lines == ["rank 0 replica 0 text ' better than' world-sum 4",
+                     "rank 1 replica 0 text ' better than' world-sum 4",
+                     "rank 2 replica 1 text ' never pass ' world-sum 4",
+                     "rank 3 replica 1 text ' never pass ' world-sum 4"], launch.describe()
+    assert not launch.leftover_pids
