@@ -44,9 +44,10 @@ def kill_later(pid: int, delay: float, record: dict) -> threading.Thread:
 
 @pytest.mark.timeout(120)
 def test_sigkill_of_one_mp_worker_fails_the_call_fast():
-    shm_before = our_shm()
     llm = LLM(tensor_parallel_size=2)
     try:
+        executor = llm._engine.executor
+        segments = [mq.handle().shm_name.lstrip("/") for mq in [executor.rpc_broadcast_mq, *executor.response_mqs]]
         pids = llm.collective_rpc(lambda worker: os.getpid())
         record: dict = {}
         kill_later(pids[1], 1.0, record)
@@ -64,7 +65,7 @@ def test_sigkill_of_one_mp_worker_fails_the_call_fast():
         assert not any(pid_alive(p) for p in pids)
     finally:
         llm.shutdown()
-    assert our_shm() <= shm_before
+    assert not our_shm() & set(segments)  # this executor's queues are gone from /dev/shm
 
 
 @pytest.mark.timeout(180)

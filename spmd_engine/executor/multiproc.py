@@ -93,7 +93,7 @@ class MultiprocExecutor(Executor):
             logger.error("Worker proc %s (local rank %d, pid %d) died unexpectedly with %s, "
                          "shutting down executor.", dead.name, dead.local_rank, dead.proc.pid,
                          _exit_description(dead.proc.exitcode))
-            _self.shutdown()
+            _self.shutdown(close_queues=False)
             callback = _self.failure_callback
             if callback is not None:
                 _self.failure_callback = None
@@ -123,7 +123,14 @@ class MultiprocExecutor(Executor):
             results.append(result)
         return results
 
-    def shutdown(self) -> None:
+    def shutdown(self, close_queues: bool = True) -> None:
+        """Stop every worker of this replica and cancel its queues; safe to call twice.
+
+        The monitor thread calls it with close_queues=False: the engine thread may be
+        blocked in a dequeue on those queues, and must wake to RuntimeError("cancelled"),
+        not find the memory under it unmapped. The owner's own shutdown closes them.
+        """
+        queues = [mq for mq in [self.rpc_broadcast_mq, *self.response_mqs] if mq is not None]
         if not getattr(self, "shutting_down", False):
             self.shutting_down = True
             grace = 0.0  # a failed replica's survivors sit in collectives: terminate them now
@@ -133,15 +140,19 @@ class MultiprocExecutor(Executor):
                     grace = 5.0
                 except Exception:
                     pass
+            if self.is_failed:
+                for mq in queues:  # wake a blocked call first: the caller learns at once
+                    mq.shutdown()
             _ensure_worker_termination([w.proc for w in self.workers], grace)
             for w in self.workers:
                 w.close()
-        for mq in [self.rpc_broadcast_mq, *self.response_mqs]:
-            if mq is not None:
-                mq.shutdown()
+        for mq in queues:
+            mq.shutdown()
+            if close_queues:
                 mq.close()
-        store, self._store = getattr(self, "_store", None), None
-        del store
+        if close_queues:
+            store, self._store = getattr(self, "_store", None), None
+            del store
 
 
 def _ensure_worker_termination(procs: list[mp.Process], grace_s: float = 5.0) -> None:
