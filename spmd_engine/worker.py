@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import replace
 
 import torch
 
@@ -75,9 +74,10 @@ class Worker:
             init_distributed_environment(backend=backend, timeout_s=self.config.timeout_s)
             initialize_model_parallel(pc)
         else:
-            # uni and mp: this replica is its own world of TP x PP x PCP ranks.
+            # uni and mp: this replica is its own world of TP x PP x PCP ranks, which
+            # initialize_model_parallel lays out as one DP replica.
             self._init_replica_world(backend)
-            initialize_model_parallel(replace_dp(pc))
+            initialize_model_parallel(pc)
         self.world_group = get_world_group()
         self.tp_group = get_tp_group()
         self.pp_group = get_pp_group()
@@ -222,9 +222,3 @@ def _process_start_time() -> float:
     except (OSError, ValueError, StopIteration, IndexError):
         return float("nan")
 
-
-def replace_dp(pc):
-    """The config a replica's own world sees: one DP rank, no external DP."""
-    clone = replace(pc, data_parallel_size=1, data_parallel_rank=0,
-                    distributed_executor_backend=pc.distributed_executor_backend)
-    return clone
