@@ -102,10 +102,13 @@ class Worker:
 
     def load_model(self) -> None:
         from spmd_engine.model.loader import load_model
+        from spmd_engine.model.packed_weights import pack_linear_weights, packing_applies
         mc = self.config.model_config
         self.timings["load_start"] = time.time()
         self.model = load_model(mc.model_dir, self.tp_group, self.pp_group, dtype=mc.dtype,
                                 device=self.device, pp_partition=mc.pp_partition)
+        if packing_applies(self.model.dtype, self.device):
+            pack_linear_weights(self.model, batch_hint=self.config.scheduler_config.max_num_seqs)
         self.timings["load_done"] = time.time()
         logger.debug("rank %d: weights loaded in %.3fs", self.rank,
                      self.timings["load_done"] - self.timings["load_start"])

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from spmd_engine.model.packed_weights import linear
 from spmd_engine.model.shard import Loaded, check_shape, copy_into, read_range
 
 VOCAB_PADDING = 64
@@ -71,10 +72,12 @@ class ParallelLMHead(VocabParallelEmbedding):
     group ends with the same full logits (sampling may then run anywhere).
     """
 
+    packable_weight = True  # see packed_weights.py
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # pragma: no cover - guard
         raise RuntimeError("ParallelLMHead is used through compute_logits(hidden)")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = F.linear(hidden, self.weight)
+        local = linear(hidden, self.weight)
         full = self.group.all_gather(local, dim=-1)
         return full[..., : self.vocab_size].float()

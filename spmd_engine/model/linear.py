@@ -11,8 +11,9 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from spmd_engine.model.packed_weights import linear
 
 from spmd_engine.model.shard import (
     Loaded,
@@ -35,6 +36,8 @@ class ColumnParallelLinear(nn.Module):
     unless `gather_output`, because the usual consumer (attention heads, the
     SwiGLU product, a RowParallelLinear) works on the slice directly.
     """
+
+    packable_weight = True  # see packed_weights.py
 
     def __init__(
         self,
@@ -60,7 +63,7 @@ class ColumnParallelLinear(nn.Module):
         return f"in={self.input_size}, out_per_rank={self.output_size_per_rank}, tp={self.tp_size}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias)
         return self.group.all_gather(y, dim=-1) if self.gather_output else y
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id=None) -> None:
@@ -151,6 +154,8 @@ class RowParallelLinear(nn.Module):
     once, after the reduce, so it is not counted tp times.
     """
 
+    packable_weight = True
+
     def __init__(self, input_size: int, output_size: int, group, bias: bool = False,
                  dtype: torch.dtype | None = None):
         super().__init__()
@@ -167,7 +172,7 @@ class RowParallelLinear(nn.Module):
         return f"in_per_rank={self.input_size_per_rank}, out={self.output_size}, tp={self.tp_size}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.group.all_reduce(F.linear(x, self.weight))
+        y = self.group.all_reduce(linear(x, self.weight))
         return y + self.bias if self.bias is not None else y
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id=None) -> None:

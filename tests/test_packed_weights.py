@@ -1,0 +1,107 @@
+"""Pre-packed CPU weights (spmd_engine/model/packed_weights.py).
+
+Packing changes the matmul kernel, never the model: bf16 logits stay bitwise
+identical to `F.linear`'s, fp32 ones equal up to summation order, the dense
+copy is freed, and the worker packs only where it helps (CPU, fp32/bf16) and
+not when switched off.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fake_groups import SoloGroup
+from spmd_engine import LLM, SamplingParams
+from spmd_engine.model import load_model
+from spmd_engine.model.packed_weights import ENV_FLAG, pack_linear_weights, packing_applies
+from test_model_llama import LLAMA, QWEN_TIED, make_random_checkpoint, run_schedule
+
+BF16_KERNELS = packing_applies(torch.bfloat16, torch.device("cpu"))
+needs_bf16 = pytest.mark.skipif(not BF16_KERNELS, reason="this CPU's oneDNN has no bf16 kernels")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("packed")
+    # Llama: plain projections, llama3 rope; Qwen2: biased QKV and a tied LM head.
+    return {"llama": make_random_checkpoint(root / "llama", **LLAMA),
+            "qwen_tied": make_random_checkpoint(root / "qwen", **QWEN_TIED)}
+
+
+def logits_of(path, dtype: torch.dtype, packed: bool) -> list[np.ndarray]:
+    solo = SoloGroup()
+    model = load_model(path, solo, solo, dtype=dtype)
+    if packed:
+        assert pack_linear_weights(model, batch_hint=3) > 0
+    with torch.no_grad():
+        return [x.astype(np.float64) for x in run_schedule(model)]
+
+
+@needs_bf16
+@pytest.mark.parametrize("name", ["llama", "qwen_tied"])
+def test_bf16_packed_logits_are_bitwise_identical(checkpoints, name):
+    plain = logits_of(checkpoints[name], torch.bfloat16, packed=False)
+    packed = logits_of(checkpoints[name], torch.bfloat16, packed=True)
+    for step, (a, b) in enumerate(zip(plain, packed)):
+        assert np.array_equal(a, b), f"step {step}: max diff {np.abs(a - b).max()}"
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen_tied"])
+def test_fp32_packed_logits_differ_only_by_summation_order(checkpoints, name):
+    plain = logits_of(checkpoints[name], torch.float32, packed=False)
+    packed = logits_of(checkpoints[name], torch.float32, packed=True)
+    for a, b in zip(plain, packed):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16)])
+def test_packing_replaces_each_dense_weight_and_keeps_its_values(checkpoints, dtype):
+    solo = SoloGroup()
+    model = load_model(checkpoints["qwen_tied"], solo, solo, dtype=dtype)
+    packable = {name: m.weight.detach().clone() for name, m in model.named_modules()
+                if getattr(m, "packable_weight", False)}
+    embedding = model.model.embed_tokens.weight
+    # 4 layers x (qkv, o, gate_up, down) + the LM head
+    assert pack_linear_weights(model, batch_hint=8) == len(packable) == 4 * 4 + 1
+    for name, dense in packable.items():
+        weight = model.get_submodule(name).weight
+        assert weight.is_mkldnn and weight.dtype == dtype and weight.shape == dense.shape, name
+        assert torch.equal(weight.to_dense(), dense), name
+    # The tied embedding keeps its dense table for lookups; the head got a packed copy.
+    assert model.model.embed_tokens.weight is embedding and not embedding.is_mkldnn
+    assert torch.equal(model.lm_head.weight.to_dense(), embedding)
+    assert pack_linear_weights(model, batch_hint=8) == 0  # packing twice is a no-op
+
+
+def test_packing_applies_on_cpu_fp32_only_unless_switched_off(monkeypatch):
+    cpu = torch.device("cpu")
+    assert packing_applies(torch.float32, cpu)
+    assert not packing_applies(torch.float16, cpu)
+    assert not packing_applies(torch.float32, torch.device("cuda", 0))
+    monkeypatch.setenv(ENV_FLAG, "0")
+    assert not packing_applies(torch.float32, cpu)
+    assert not packing_applies(torch.bfloat16, cpu)
+
+
+def _generate(dtype: str) -> tuple[list[list[int]], list[bool]]:
+    llm = LLM(dtype=dtype, distributed_executor_backend="uni", max_num_seqs=4)
+    try:
+        outs = llm.generate(["Beautiful is", "Errors should", "Now is", "If the"],
+                            SamplingParams(max_tokens=24, temperature=0.0))
+        packed = llm.collective_rpc(lambda worker: worker.model.lm_head.weight.is_mkldnn)
+    finally:
+        llm.shutdown()
+    return [o.outputs[0].token_ids for o in outs], packed
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=needs_bf16)])
+def test_worker_packs_by_default_and_generates_the_same_text(dtype, monkeypatch):
+    tokens, packed = _generate(dtype)
+    assert packed == [True]
+    monkeypatch.setenv(ENV_FLAG, "0")
+    plain_tokens, plain = _generate(dtype)
+    assert plain == [False]
+    assert tokens == plain_tokens
