@@ -23,7 +23,7 @@ from spmd_engine.model.linear import QKVParallelLinear, RowParallelLinear
 from spmd_engine.model.mlp import SwiGLUMLP
 from spmd_engine.model.norm import RMSNorm
 from spmd_engine.model.partition import check_model_parallel, pp_layer_range
-from spmd_engine.model.rotary import RotaryEmbedding
+from spmd_engine.model.rotary import RotaryEmbedding, apply_rotary
 from spmd_engine.model.shard import Loaded
 from spmd_engine.model.spec import ModelSpec
 
@@ -50,15 +50,19 @@ class LlamaAttention(nn.Module):
                                           tp_group, bias=spec.qkv_bias, dtype=dtype)
         self.o_proj = RowParallelLinear(spec.num_heads * spec.head_dim, spec.hidden_size, tp_group,
                                         bias=spec.o_bias, dtype=dtype)
-        self.rotary_emb = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling)
         self.attn = Attention(self.qkv_proj.num_heads_per_rank, self.qkv_proj.num_kv_heads_per_rank,
                               spec.head_dim, spec.head_dim ** -0.5)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, attn: AttentionMetadata | None):
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
+                attn: AttentionMetadata | None):
+        """`rope`: this step's (cos, sin) from the model's RotaryEmbedding."""
         B, T = hidden.shape[:2]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        q, k, v = (x.view(B, T, -1, self.head_dim) for x in (q, k, v))
-        q, k = self.rotary_emb(positions, q, k)
+        qkv = self.qkv_proj(hidden)
+        q_and_k = self.qkv_proj.q_size + self.qkv_proj.kv_size
+        # q and k sit side by side in the fused output: rotate them in one pass.
+        qk = apply_rotary(qkv[..., :q_and_k].view(B, T, -1, self.head_dim), *rope)
+        q, k = qk.split([self.qkv_proj.num_heads_per_rank, self.qkv_proj.num_kv_heads_per_rank], dim=2)
+        v = qkv[..., q_and_k:].view(B, T, -1, self.head_dim)
         return self.o_proj(self.attn(q, k, v, attn))
 
 
@@ -72,18 +76,22 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype)
         self.mlp = SwiGLUMLP(spec.hidden_size, spec.intermediate_size, tp_group, bias=spec.mlp_bias, dtype=dtype)
 
-    def forward(self, positions, hidden, residual, attn):
+    def forward(self, rope, hidden, residual, attn):
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, attn)
+        hidden = self.self_attn(rope, hidden, attn)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
-    """The `model.` prefix of HF checkpoints: embedding, this stage's layers, norm."""
+    """The `model.` prefix of HF checkpoints: embedding, this stage's layers, norm.
+
+    One RotaryEmbedding serves every layer (it has no weights): its cos/sin
+    are computed once per step.
+    """
 
     def __init__(self, spec: ModelSpec, tp_group, layer_range: tuple[int, int], first: bool, last: bool,
                  dtype: torch.dtype):
@@ -95,6 +103,7 @@ class LlamaModel(nn.Module):
             {str(i): LlamaDecoderLayer(spec, tp_group, dtype) for i in range(*layer_range)}
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype) if last else None
+        self.rotary_emb = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling)
 
 
 class CausalLM(nn.Module):
@@ -166,8 +175,9 @@ class CausalLM(nn.Module):
             if intermediate is None:
                 raise ValueError("a later pipeline stage needs `intermediate` from the previous stage")
             hidden, residual = intermediate["hidden_states"], intermediate["residual"]
+        rope = self.model.rotary_emb.cos_sin(positions, hidden.dtype)
         for layer in self.model.layers.values():
-            hidden, residual = layer(positions, hidden, residual, attn)
+            hidden, residual = layer(rope, hidden, residual, attn)
         if not self.is_last_stage:
             return {"hidden_states": hidden, "residual": residual}
         hidden, _ = self.model.norm(hidden, residual)

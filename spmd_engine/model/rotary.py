@@ -4,8 +4,8 @@ Rotates the two halves of each head (the "rotate_half" layout HF checkpoints
 are trained with). Frequencies come from `rope_theta`; `rope_scaling` may
 stretch them, with type `linear` (every frequency / factor) or `llama3`
 (Llama 3.1's band-wise rescaling: low frequencies / factor, high ones kept,
-a smooth blend between). cos/sin are computed from the positions each call,
-so there is no table to size, to place on a device, or to outgrow.
+a smooth blend between). cos/sin are computed from the positions of each
+step, so there is no table to size, to place on a device, or to outgrow.
 """
 
 from __future__ import annotations
@@ -62,8 +62,18 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [..., T, heads, head_dim] by cos/sin [..., T, 1, head_dim]."""
+    return x * cos + rotate_half(x) * sin
+
+
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to q and k of shape [..., T, heads, head_dim] given positions [..., T]."""
+    """RoPE for q and k of shape [..., T, heads, head_dim] given positions [..., T].
+
+    A model computes `cos_sin` once per forward step and every layer applies
+    it (the frequencies are the same in every layer); `forward` does both for
+    one pair of tensors.
+    """
 
     def __init__(self, head_dim: int, theta: float = 10000.0, scaling: Mapping[str, Any] | None = None):
         super().__init__()
@@ -81,4 +91,4 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         cos, sin = self.cos_sin(positions, q.dtype)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
