@@ -160,7 +160,7 @@ class GroupCoordinator:
         return t
 
     def _shared_memory(self) -> ShmAllReduce | None:
-        """Set up on the first CPU all-reduce, so groups that never reduce cost no memory."""
+        """Set up on the first CPU all-reduce or all-gather, so groups that never use it cost no memory."""
         if self._shm is None:
             with self._guard("all_reduce (shared-memory setup)"):
                 made = ShmAllReduce.create(self.cpu_group, self.ranks, self.label,
@@ -176,6 +176,10 @@ class GroupCoordinator:
         """Every rank's `t`, concatenated along `dim` in rank order."""
         if self.world_size == 1:
             return t
+        if t.device.type == "cpu":
+            shm = self._shared_memory()
+            if shm and shm.supports(t):
+                return torch.cat(shm.all_gather(t).unbind(0), dim=dim)
         t = t.contiguous()
         parts = [torch.empty_like(t) for _ in range(self.world_size)]
         with self._guard("all_gather"):

@@ -1,4 +1,4 @@
-"""Intra-node CPU all-reduce through one shared-memory segment per group.
+"""Intra-node CPU all-reduce (and all-gather) through one shared-memory segment per group.
 
 Why: a gloo all-reduce of a small tensor between two local processes costs
 about a millisecond of socket round trips; TP decode does two per layer. Ranks
@@ -164,8 +164,7 @@ class ShmAllReduce:
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum `t` over the group, in place, identical bits on every rank; returns `t`."""
-        if self.broken is not None:
-            raise CollectiveError(f"all_reduce on group {self.label} unusable: {self.broken}")
+        self._check_usable("all_reduce")
         work = t if t.is_contiguous() else t.contiguous()
         flat = work.view(-1)
         step = self.slot_bytes // flat.element_size()
@@ -174,6 +173,26 @@ class ShmAllReduce:
         if work is not t:
             t.copy_(work)
         return t
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's `t` (same shape on all ranks), stacked in rank order: [nranks, *t.shape].
+
+        Same protocol as the all-reduce, reading the slots instead of summing
+        them (TP's LM head gathers its vocabulary slices this way every step).
+        """
+        self._check_usable("all_gather")
+        flat = t.contiguous().view(-1)
+        out = torch.empty((self.nranks, flat.numel()), dtype=t.dtype)
+        step = self.slot_bytes // flat.element_size()
+        for start in range(0, flat.numel(), step):
+            chunk = flat[start:start + step]
+            for rank, view in enumerate(self._exchange(chunk, "all_gather")):
+                out[rank, start:start + chunk.numel()].copy_(view)
+        return out.view(self.nranks, *t.shape)
+
+    def _check_usable(self, op: str) -> None:
+        if self.broken is not None:
+            raise CollectiveError(f"{op} on group {self.label} unusable: {self.broken}")
 
     def _slots(self, buf: int, dtype: torch.dtype, n: int) -> list[torch.Tensor]:
         """Every rank's slot in buffer `buf` as `n` elements of `dtype`, cached (sizes repeat)."""
@@ -189,7 +208,8 @@ class ShmAllReduce:
             self._views[key] = views
         return views
 
-    def _reduce_chunk(self, chunk: torch.Tensor) -> None:
+    def _exchange(self, chunk: torch.Tensor, op: str) -> list[torch.Tensor]:
+        """Publish `chunk` as operation number gen, wait for every rank's; their slots, in rank order."""
         gen = self._gen + 1
         views = self._slots(gen % 2, chunk.dtype, chunk.numel())
         views[self.rank].copy_(chunk)
@@ -198,7 +218,11 @@ class ShmAllReduce:
         counters[self.rank] = gen
         for peer in range(self.nranks):
             if counters[peer] < gen:
-                self._wait_for(peer, gen)
+                self._wait_for(peer, gen, op)
+        return views
+
+    def _reduce_chunk(self, chunk: torch.Tensor) -> None:
+        views = self._exchange(chunk, "all_reduce")
         if chunk.dtype in _HALF and self.nranks > 2:
             # accumulate in fp32, round once: more accurate, still rank-order fixed. (With two
             # ranks torch's half add below already computes in fp32 and rounds once.)
@@ -211,7 +235,7 @@ class ShmAllReduce:
             for view in views[2:]:
                 chunk.add_(view)
 
-    def _wait_for(self, peer: int, gen: int) -> None:
+    def _wait_for(self, peer: int, gen: int, op: str) -> None:
         """Spin briefly, then yield, then sleep with back-off; fail on timeout or a dead peer."""
         counters = self._counters
         for _ in range(self._spins):  # the common case: the peer is a few µs behind
@@ -229,13 +253,13 @@ class ShmAllReduce:
             if now >= next_check:
                 next_check = now + 0.1
                 if self.peers and _process_identity(self.peers[peer][0]) != self.peers[peer][1]:
-                    self._fail(f"failed: rank {peer} in group (pid {self.peers[peer][0]}) died")
+                    self._fail(op, f"failed: rank {peer} in group (pid {self.peers[peer][0]}) died")
                 if now - start > self.timeout_s:
-                    self._fail(f"timed out after {self.timeout_s:g}s waiting for rank {peer} in group")
+                    self._fail(op, f"timed out after {self.timeout_s:g}s waiting for rank {peer} in group")
 
-    def _fail(self, why: str) -> None:
+    def _fail(self, op: str, why: str) -> None:
         self.broken = why
-        raise CollectiveError(f"all_reduce on group {self.label} {why} (shared-memory path)")
+        raise CollectiveError(f"{op} on group {self.label} {why} (shared-memory path)")
 
     # ---- teardown ---------------------------------------------------
     def destroy(self) -> None:

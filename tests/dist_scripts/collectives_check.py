@@ -113,7 +113,10 @@ def check_shm_bitwise(g: sd.GroupCoordinator, tag: str, numel: int) -> None:
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         gen = torch.Generator().manual_seed(1234 + r)
         x = torch.randn(numel, generator=gen).to(dtype)
-        parts = list(g.all_gather(x.unsqueeze(0), dim=0).unbind(0))  # everyone's input
+        parts = list(g.all_gather(x.unsqueeze(0), dim=0).unbind(0))  # everyone's input (shm)
+        by_gloo = [torch.empty_like(x) for _ in parts]
+        dist.all_gather(by_gloo, x, group=g.cpu_group)
+        expect(all(torch.equal(a, b) for a, b in zip(parts, by_gloo)), f"{tag}: shm all_gather {dtype} != gloo's")
         want = fixed_order_sum(parts)
         got = g.all_reduce(x.clone())
         expect(torch.equal(got.view(torch.int16) if dtype != torch.float32 else got.view(torch.int32),
