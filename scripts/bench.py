@@ -238,7 +238,13 @@ def fig_tp(args, tp: int = 2) -> None:
     prompts = prompts_for(batch, plen, LLAMA_SHAPE["vocab_size"])
     kw = dict(model=model_dir, dtype="float32", max_model_len=plen + new + 8, max_num_seqs=batch)
     uni = LLM(distributed_executor_backend="uni", **kw)
-    par = LLM(tensor_parallel_size=tp, distributed_executor_backend="mp", **kw)
+    # Workers share the cores out (cores // workers threads) only when OMP_NUM_THREADS is unset.
+    omp = os.environ.pop("OMP_NUM_THREADS", None)
+    try:
+        par = LLM(tensor_parallel_size=tp, distributed_executor_backend="mp", **kw)
+    finally:
+        if omp is not None:
+            os.environ["OMP_NUM_THREADS"] = omp
     try:
         time_engine(uni, prompts, 4), time_engine(par, prompts, 4)
         u, p = [], []

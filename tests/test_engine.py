@@ -171,3 +171,20 @@ def test_llm_reuses_a_trainers_world_and_leaves_it_intact():
                      "rank 2 replica 1 text ' never pass ' world-sum 4",
                      "rank 3 replica 1 text ' never pass ' world-sum 4"], launch.describe()
     assert not launch.leftover_pids
+
+
+@pytest.mark.timeout(120)
+def test_mp_workers_share_the_cores_unless_told_otherwise(ckpt, monkeypatch, capfd):
+    """Unset OMP_NUM_THREADS: each of a host's workers gets cores // workers threads.
+    Set above that share: it is kept, and the first worker warns once."""
+    import torch
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    with LLM(model=str(ckpt), tensor_parallel_size=2) as llm:
+        assert llm.collective_rpc(lambda worker: torch.get_num_threads()) == [max(1, cores // 2)] * 2
+    assert "contend for cores" not in capfd.readouterr().err
+    asked = max(2, cores)  # always above the share of two workers
+    monkeypatch.setenv("OMP_NUM_THREADS", str(asked))
+    with LLM(model=str(ckpt), tensor_parallel_size=2) as llm:
+        assert llm.collective_rpc(lambda worker: torch.get_num_threads()) == [asked] * 2
+    assert capfd.readouterr().err.count("will contend for cores") == 1
