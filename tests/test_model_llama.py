@@ -349,6 +349,47 @@ def test_loader_reads_only_this_ranks_slice(tmp_path, monkeypatch):
     assert all(p.device.type == "cpu" for p in model.parameters())
 
 
+class OpenFiles:
+    """safe_open that counts how many checkpoint handles are open at once."""
+
+    def __init__(self, real):
+        self.real, self.open, self.most, self.opened = real, 0, 0, 0
+
+    def __call__(self, *args, **kwargs):
+        tracker, handle = self, self.real(*args, **kwargs)
+
+        class Tracked:
+            def __enter__(self):
+                tracker.open += 1
+                tracker.opened += 1
+                tracker.most = max(tracker.most, tracker.open)
+                return handle.__enter__()
+
+            def __exit__(self, *exc):
+                tracker.open -= 1
+                return handle.__exit__(*exc)
+        return Tracked()
+
+
+def test_loader_keeps_one_checkpoint_file_mapped_at_a_time(tmp_path, monkeypatch):
+    """A safetensors handle maps its whole file and read pages stay in RSS until it
+    closes: the loader opens one per tensor, so the mapped pages never add up to
+    the checkpoint (scripts/bench.py --only load measures the peak)."""
+    path = make_random_checkpoint(tmp_path, num_shards=2, **LLAMA)
+    tracker = OpenFiles(loader_module.safe_open)
+    monkeypatch.setattr(loader_module, "safe_open", tracker)
+    model = load_model(path, SoloGroup(), SoloGroup())
+    assert tracker.most == 1 and tracker.open == 0
+    assert tracker.opened >= len(list(model.checkpoint_tensors()))
+    # A tensor missing mid-load still leaves nothing open.
+    monkeypatch.setattr(type(model), "checkpoint_tensors",
+                        lambda self: iter([("model.norm.weight", "model.norm.weight", None),
+                                           ("model.no_such.weight", "model.norm.weight", None)]))
+    with pytest.raises(ConfigError, match="no_such"):
+        load_model(path, SoloGroup(), SoloGroup())
+    assert tracker.open == 0
+
+
 def test_sharded_checkpoint_loads_like_single_file(tmp_path):
     single = make_random_checkpoint(tmp_path / "one", **LLAMA)
     sharded = make_random_checkpoint(tmp_path / "three", num_shards=3, **LLAMA)

@@ -111,17 +111,20 @@ def load_model(model_dir: str | os.PathLike | None, tp_group, pp_group, dtype: s
     model = CausalLM(hf_config, tp_group, pp_group, dtype=torch_dtype, device="meta", pp_partition=pp_partition)
     model.materialize(device)
     with ExitStack() as stack:
-        handles: dict[Path, Any] = {}
-
+        # One file open at a time, reopened for every tensor: a safetensors handle maps
+        # its whole file, and every page read through the mapping counts in this
+        # process's RSS until the handle closes. Closing it after each tensor (every
+        # weight_loader has copied its slice out by the next fetch) keeps the file
+        # pages in RSS to one tensor's, instead of the whole checkpoint's.
         def fetch(name: str):
             file = files.get(name)
             if file is None:
                 where = model_dir / INDEX_FILE if (model_dir / INDEX_FILE).is_file() else model_dir
                 raise ConfigError(f"tensor {name} not found in checkpoint {where}")
-            if file not in handles:
-                handles[file] = stack.enter_context(_open(file))
+            stack.close()
+            handle = stack.enter_context(_open(file))
             try:
-                return handles[file].get_slice(name)
+                return handle.get_slice(name)
             except (SafetensorError, KeyError) as exc:
                 raise ConfigError(f"tensor {name} not readable from {file}: {exc}") from None
 
