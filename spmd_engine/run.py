@@ -116,18 +116,25 @@ class Progress:
 
     Shown by global rank 0 only, and only when stderr is a terminal and --quiet
     is off, so tests and torchrun's --tee / --log-dir files stay clean. Under a
-    launcher rank 0 sees its own replica, and says so.
+    launcher rank 0 sees its own replica, and says so. Fed by the engine as
+    requests finish; redrawn at most every REDRAW_S seconds, and at the end.
     """
+
+    REDRAW_S = 0.2
 
     def __init__(self, total: int, label: str = "", stream=None):
         self.total, self.label, self.stream = total, label, stream or sys.stderr
         self.done = self.tokens = 0
-        self.start = time.monotonic()
+        self.start = self.drawn = time.monotonic()
 
-    def update(self, records: list[dict]) -> None:
-        self.done += len(records)
-        self.tokens += sum(len(r["token_ids"]) for r in records)
-        elapsed = max(time.monotonic() - self.start, 1e-9)
+    def update(self, requests: int, tokens: int) -> None:
+        self.done += requests
+        self.tokens += tokens
+        now = time.monotonic()
+        if self.done < self.total and now - self.drawn < self.REDRAW_S:
+            return
+        self.drawn = now
+        elapsed = max(now - self.start, 1e-9)
         end = "\n" if self.done >= self.total else ""
         print(f"\r[progress] {self.done}/{self.total} requests{self.label}, {self.tokens} tokens, "
               f"{self.tokens / elapsed:.1f} tok/s, {elapsed:.0f}s", end=end, file=self.stream, flush=True)
@@ -137,33 +144,19 @@ def progress_wanted(args) -> bool:
     return not args.quiet and _global_rank() == 0 and sys.stderr.isatty()
 
 
-def chunk_size(args) -> int:
-    """Prompts per generate call while progress is shown: big enough to keep the batch full
-    most of the time (each chunk drains before the next starts)."""
-    return max(8 * args.max_num_seqs, 16)
-
-
 def generate_records(llm, prompts: list[PromptInput], params: SamplingParams, indices: list[int],
-                     chunk: int | None = None, progress: Progress | None = None) -> list[dict]:
-    """Generate for a share of the prompts, seeding each by its global index.
-
-    With `chunk`, generate that many prompts at a time (every rank of a replica
-    must use the same chunks) and report to `progress` after each.
-    """
+                     progress: Progress | None = None) -> list[dict]:
+    """Generate for a share of the prompts, seeding each by its global index (a replica's
+    share can be empty: fewer prompts than replicas)."""
     from dataclasses import replace
+    if not indices:
+        return []
 
     from spmd_engine.engine.llm import request_seed
-    records: list[dict] = []
-    step = chunk or max(1, len(indices))
-    for start in range(0, len(indices), step):
-        part = indices[start:start + step]
-        per_prompt = [replace(params, seed=request_seed(llm.seed, i)) for i in part]
-        outs = llm.generate([prompts[i].as_llm_input() for i in part], per_prompt)
-        done = [result_record(i, prompts[i], out) for i, out in zip(part, outs)]
-        if progress is not None:
-            progress.update(done)
-        records.extend(done)
-    return records
+    per_prompt = [replace(params, seed=request_seed(llm.seed, i)) for i in indices]
+    outs = llm.generate([prompts[i].as_llm_input() for i in indices], per_prompt,
+                        progress=progress.update if progress is not None else None)
+    return [result_record(i, prompts[i], out) for i, out in zip(indices, outs)]
 
 
 def check_launched_world(args) -> None:
@@ -192,17 +185,6 @@ def check_same_invocation(args, prompts: list[PromptInput]) -> None:
         raise ConfigError(f"ranks {odd} were started with different flags or prompts than rank 0")
 
 
-def shared_progress_choice(args) -> bool:
-    """Rank 0 decides whether progress is shown; every rank learns it through the launcher's
-    store, since all ranks of a replica must split their prompts into the same chunks."""
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _get_default_store
-    store = _get_default_store()
-    if dist.get_rank() == 0:
-        store.set("spmd_engine/progress", "1" if progress_wanted(args) else "0")
-    return store.get("spmd_engine/progress").decode() == "1"
-
-
 def log_launch(llm) -> None:
     """One line per rank: where the launcher put it and the device it got (local rank = device)."""
     from spmd_engine.distributed.launch_env import read_launch_env
@@ -225,7 +207,6 @@ def run_launched(args, prompts, params) -> list[dict] | None:
     from spmd_engine.distributed import init_distributed_environment
     init_distributed_environment(timeout_s=args.timeout)
     check_same_invocation(args, prompts)
-    show_progress = shared_progress_choice(args)
     llm = llm_from_args(args)
     try:
         from spmd_engine.distributed import get_world_group
@@ -237,11 +218,10 @@ def run_launched(args, prompts, params) -> list[dict] | None:
         replica = llm.replica_index
         indices = list(range(replica, len(prompts), layout.num_replicas))
         progress = None
-        if show_progress and world.rank == 0:
+        if progress_wanted(args):
             label = f" (replica 0 of {layout.num_replicas})" if layout.num_replicas > 1 else ""
             progress = Progress(len(indices), label)
-        records = generate_records(llm, prompts, params, indices,
-                                   chunk=chunk_size(args) if show_progress else None, progress=progress)
+        records = generate_records(llm, prompts, params, indices, progress=progress)
         is_replica_head = world.rank % layout.world_size == 0
         gathered = [None] * world.world_size if world.rank == 0 else None
         dist.gather_object(records if is_replica_head else None, gathered, dst=0, group=world.cpu_group)
@@ -256,10 +236,8 @@ def run_launched(args, prompts, params) -> list[dict] | None:
 def run_local(args, prompts, params) -> list[dict]:
     llm = llm_from_args(args)
     try:
-        if progress_wanted(args):
-            return generate_records(llm, prompts, params, list(range(len(prompts))),
-                                    chunk=chunk_size(args), progress=Progress(len(prompts)))
-        return generate_records(llm, prompts, params, list(range(len(prompts))))
+        progress = Progress(len(prompts)) if progress_wanted(args) else None
+        return generate_records(llm, prompts, params, list(range(len(prompts))), progress=progress)
     finally:
         llm.shutdown()
 

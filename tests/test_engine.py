@@ -188,3 +188,16 @@ def test_mp_workers_share_the_cores_unless_told_otherwise(ckpt, monkeypatch, cap
     with LLM(model=str(ckpt), tensor_parallel_size=2) as llm:
         assert llm.collective_rpc(lambda worker: torch.get_num_threads()) == [asked] * 2
     assert capfd.readouterr().err.count("will contend for cores") == 1
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("layout", [dict(), dict(data_parallel_size=2)], ids=["uni", "dp=2"])
+def test_generate_reports_progress_as_requests_finish(ckpt, layout):
+    """Every request is reported once, with its generated tokens; DP replicas relay theirs."""
+    calls = []
+    with LLM(model=str(ckpt), max_num_seqs=2, **layout) as llm:
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
+                            progress=lambda requests, tokens: calls.append((requests, tokens)))
+    assert sum(n for n, _ in calls) == len(PROMPTS)
+    assert sum(t for _, t in calls) == sum(len(o.outputs[0].token_ids) for o in outs) == len(PROMPTS) * MAX_TOKENS
+    assert len(calls) >= len(PROMPTS) // (2 * layout.get("data_parallel_size", 1))  # as they finish, not at the end

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 from spmd_engine.config import EngineConfig
 from spmd_engine.engine.request import Request
@@ -10,6 +11,9 @@ from spmd_engine.engine.scheduler import Scheduler
 from spmd_engine.executor.abstract import Executor
 
 logger = logging.getLogger("spmd_engine")
+
+# progress(requests, tokens): that many requests just finished, with that many generated tokens.
+ProgressCallback = Callable[[int, int], None]
 
 
 class EngineDeadError(RuntimeError):
@@ -49,10 +53,14 @@ class EngineCore:
             raise EngineDeadError(f"engine failed while running step {scheduler_output.step}: {exc}") from exc
         return self.scheduler.update_from_output(scheduler_output, model_output)
 
-    def run_until_done(self) -> list[Request]:
+    def run_until_done(self, progress: ProgressCallback | None = None) -> list[Request]:
+        """Step until every request has finished; `progress` hears of each step's finished ones."""
         finished = []
         while self.scheduler.has_unfinished():
-            finished.extend(self.step())
+            done = self.step()
+            if done and progress is not None:
+                progress(len(done), sum(len(r.output_token_ids) for r in done))
+            finished.extend(done)
         return finished
 
     def collective_rpc(self, method, args=(), kwargs=None, unique_reply_rank=None):

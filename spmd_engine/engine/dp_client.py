@@ -13,10 +13,11 @@ import multiprocessing as mp
 import os
 import traceback
 from dataclasses import replace
+from multiprocessing.connection import wait
 
 from spmd_engine import topology
 from spmd_engine.config import EngineConfig
-from spmd_engine.engine.core import EngineDeadError
+from spmd_engine.engine.core import EngineDeadError, ProgressCallback
 from spmd_engine.engine.request import Request
 from spmd_engine.executor.abstract import dumps_method, loads_method
 
@@ -50,30 +51,50 @@ class DPEngineClient:
             self.shutdown()
             raise
 
-    def _reply(self, i: int, what: str):
+    def _receive(self, i: int, what: str):
+        """Replica i's next message (status, payload), once one has arrived; EngineDeadError
+        if the replica died, closed its pipe, or reports an error."""
         conn, proc = self.conns[i], self.procs[i]
-        while not conn.poll(POLL_S):
-            if not proc.is_alive():
-                raise EngineDeadError(f"{proc.name} (pid {proc.pid}) died during {what} "
-                                      f"with exit code {proc.exitcode}")
+        if not conn.poll(0) and not proc.is_alive():
+            raise EngineDeadError(f"{proc.name} (pid {proc.pid}) died during {what} "
+                                  f"with exit code {proc.exitcode}")
         try:
             status, payload = conn.recv()
         except EOFError:
             raise EngineDeadError(f"{proc.name} (pid {proc.pid}) closed its pipe during {what}") from None
         if status == "error":
             raise EngineDeadError(f"{proc.name}: {payload}")
-        return payload
+        return status, payload
 
-    def generate(self, requests: list[Request]) -> list[Request]:
+    def _reply(self, i: int, what: str):
+        while not self.conns[i].poll(POLL_S):
+            if not self.procs[i].is_alive():
+                break  # _receive reports how it died
+        return self._receive(i, what)[1]
+
+    def generate(self, requests: list[Request], progress: ProgressCallback | None = None) -> list[Request]:
+        """Every replica runs its share at once; their progress messages are relayed as they come."""
         shares = [requests[i::len(self.procs)] for i in range(len(self.procs))]
         for conn, share in zip(self.conns, shares):
-            conn.send(("generate", share))
+            conn.send(("generate", (share, progress is not None)))
         finished, errors = [], []
-        for i in range(len(self.procs)):
-            try:
-                finished.extend(self._reply(i, "generate"))
-            except EngineDeadError as exc:
-                errors.append(str(exc))
+        pending = {conn: i for i, conn in enumerate(self.conns)}
+        while pending:
+            ready = wait(list(pending), timeout=POLL_S)
+            ready += [c for c, i in pending.items() if c not in ready and not self.procs[i].is_alive()]
+            for conn in ready:
+                i = pending[conn]
+                try:
+                    status, payload = self._receive(i, "generate")
+                except EngineDeadError as exc:
+                    errors.append(str(exc))
+                    del pending[conn]
+                    continue
+                if status == "progress":
+                    progress(*payload)
+                else:
+                    finished.extend(payload)
+                    del pending[conn]
         if errors:
             err = EngineDeadError("; ".join(errors))
             err.partial = finished  # other replicas' results are intact
@@ -126,9 +147,11 @@ def run_engine_core(config, executor_class, max_model_len, eos, name, conn, pare
                 return
             try:
                 if kind == "generate":
-                    for request in payload:
+                    share, relay_progress = payload
+                    for request in share:
                         core.add_request(request)
-                    conn.send(("ok", core.run_until_done()))
+                    relay = (lambda n, tokens: conn.send(("progress", (n, tokens)))) if relay_progress else None
+                    conn.send(("ok", core.run_until_done(relay)))
                 elif kind == "rpc":
                     method, args, kwargs, reply_rank = payload
                     conn.send(("ok", core.executor.collective_rpc(loads_method(method), args, kwargs, reply_rank)))

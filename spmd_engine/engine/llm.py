@@ -17,7 +17,7 @@ from spmd_engine import topology
 from spmd_engine.config import (
     ConfigError, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
 )
-from spmd_engine.engine.core import EngineDeadError
+from spmd_engine.engine.core import EngineDeadError, ProgressCallback
 from spmd_engine.engine.outputs import CompletionOutput, RequestOutput
 from spmd_engine.engine.request import Request
 from spmd_engine.sampling_params import SamplingParams
@@ -87,12 +87,15 @@ class LLM:
 
     # -- generation ---------------------------------------------------------------
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 progress: ProgressCallback | None = None) -> list[RequestOutput]:
+        """Results complete and in input order. `progress(requests, tokens)` is called as
+        requests finish (from every replica this process drives), for a progress display."""
         requests = self._make_requests(prompts, sampling_params)
         if self.config.parallel_config.distributed_executor_backend == "external_launcher":
             self._check_same_inputs_across_replica(requests)
         try:
-            finished = {r.request_id: r for r in self._engine_generate(requests)}
+            finished = {r.request_id: r for r in self._engine_generate(requests, progress)}
         except EngineDeadError as exc:
             # Replicas that did not fail finished their requests: keep them, in input order.
             done = {r.request_id: r for r in getattr(exc, "partial", [])}
@@ -101,12 +104,12 @@ class LLM:
             raise
         return [_to_output(finished[r.request_id], self.inputs) for r in requests]
 
-    def _engine_generate(self, requests: list[Request]) -> list[Request]:
+    def _engine_generate(self, requests: list[Request], progress: ProgressCallback | None) -> list[Request]:
         if hasattr(self._engine, "generate"):
-            return self._engine.generate(requests)
+            return self._engine.generate(requests, progress)
         for request in requests:
             self._engine.add_request(request)
-        return self._engine.run_until_done()
+        return self._engine.run_until_done(progress)
 
     def _make_requests(self, prompts, sampling_params) -> list[Request]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
