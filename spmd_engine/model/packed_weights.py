@@ -55,7 +55,9 @@ def pack_linear_weights(model: nn.Module, batch_hint: int) -> int:
     `batch_hint` (the expected rows per matmul, e.g. max_num_seqs) lets oneDNN
     choose a layout for decode; other batch sizes still work. A weight shared
     with another module (tied embedding and LM head) is copied for the head
-    and stays dense for the embedding. Returns how many weights were packed.
+    and stays dense for the embedding. Memory grows by one matrix at most while
+    packing: each dense weight is released as soon as its packed copy exists.
+    Returns how many weights were packed.
     """
     packed = 0
     for module in model.modules():
