@@ -105,3 +105,19 @@ def test_worker_packs_by_default_and_generates_the_same_text(dtype, monkeypatch)
     plain_tokens, plain = _generate(dtype)
     assert plain == [False]
     assert tokens == plain_tokens
+
+
+def test_a_failing_or_wrong_packed_matmul_keeps_plain_weights(monkeypatch):
+    """The oneDNN ops are private: where they raise or disagree with F.linear, no packing."""
+    from spmd_engine.model import packed_weights
+
+    def broken(weight, batch_size=None):
+        raise RuntimeError("no oneDNN kernel for this CPU")
+
+    for fake in (broken, lambda weight, batch_size=None: (weight * 2).to_mkldnn()):
+        packed_weights._trial_matmul_agrees.cache_clear()
+        monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", fake)
+        assert not packing_applies(torch.float32, torch.device("cpu"))
+        monkeypatch.undo()
+    packed_weights._trial_matmul_agrees.cache_clear()
+    assert packing_applies(torch.float32, torch.device("cpu"))

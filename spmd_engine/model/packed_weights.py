@@ -21,6 +21,7 @@ layer works the same packed or not.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -39,14 +40,31 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def packing_applies(dtype: torch.dtype, device: torch.device) -> bool:
-    """fp32, or bf16 where oneDNN has bf16 kernels, on CPU; unless switched off."""
+    """fp32, or bf16 where oneDNN has bf16 kernels, on CPU, when a trial matmul agrees
+    with `F.linear`; unless switched off."""
     if os.environ.get(ENV_FLAG, "1") == "0" or torch.device(device).type != "cpu":
         return False
     ops = torch.ops.mkldnn
     if not (torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise")
             and hasattr(ops, "_reorder_linear_weight")):
         return False
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and bool(ops._is_mkldnn_bf16_supported()))
+    if dtype == torch.bfloat16 and not ops._is_mkldnn_bf16_supported():
+        return False
+    return dtype in (torch.float32, torch.bfloat16) and _trial_matmul_agrees(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _trial_matmul_agrees(dtype: torch.dtype) -> bool:
+    """These are private torch ops: on a build or CPU where they fail or disagree, keep
+    plain weights rather than fail at load time or compute something else."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, 40, generator=gen).to(dtype)
+    x, bias = torch.randn(3, 40, generator=gen).to(dtype), torch.randn(48, generator=gen).to(dtype)
+    try:
+        got = linear(x, torch.ops.mkldnn._reorder_linear_weight(weight, 3), bias)
+    except RuntimeError:
+        return False
+    return torch.allclose(got.float(), F.linear(x, weight, bias).float(), rtol=1e-2, atol=1e-2)
 
 
 def pack_linear_weights(model: nn.Module, batch_hint: int) -> int:
