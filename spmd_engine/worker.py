@@ -108,7 +108,8 @@ class Worker:
         self.model = load_model(mc.model_dir, self.tp_group, self.pp_group, dtype=mc.dtype,
                                 device=self.device, pp_partition=mc.pp_partition)
         if packing_applies(self.model.dtype, self.device):
-            pack_linear_weights(self.model, batch_hint=self.config.scheduler_config.max_num_seqs)
+            packed = pack_linear_weights(self.model, batch_hint=self.config.scheduler_config.max_num_seqs)
+            logger.debug("rank %d: %d linear weights packed for oneDNN", self.rank, packed)
         self.timings["load_done"] = time.time()
         logger.debug("rank %d: weights loaded in %.3fs", self.rank,
                      self.timings["load_done"] - self.timings["load_start"])

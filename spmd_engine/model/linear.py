@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from spmd_engine.model.packed_weights import linear
-
 from spmd_engine.model.shard import (
     Loaded,
     check_shape,
