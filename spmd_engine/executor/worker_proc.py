@@ -78,10 +78,11 @@ def _share_cores(config, first_on_host: bool) -> None:
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(share)
     elif first_on_host and torch.get_num_threads() > share:
+        threads = torch.get_num_threads()
         logging.getLogger("spmd_engine").warning(
-            "OMP_NUM_THREADS=%s with %d workers on this host asks for %d threads on %d cores: the workers "
-            "will contend for cores (unset OMP_NUM_THREADS to share them out)",
-            os.environ["OMP_NUM_THREADS"], per_host, torch.get_num_threads() * per_host, cores)
+            "OMP_NUM_THREADS=%s gives each of the %d workers on this host %d threads, %d on %d cores: "
+            "the workers will contend for cores (unset OMP_NUM_THREADS to share them out)",
+            os.environ["OMP_NUM_THREADS"], per_host, threads, threads * per_host, cores)
 
 
 def worker_main(config, local_rank, init_method, dp_local_rank, rpc_handle, response_handle,
