@@ -413,13 +413,6 @@ def test_half_precision_checkpoints_are_cast(tmp_path):
     assert all(torch.equal(sa[k], sb[k].float()) for k in sa)  # same bf16 rounding either way
 
 
-def test_meta_build_allocates_nothing_until_materialised():
-    model = CausalLM(_config(), SoloGroup(), SoloGroup(), device="meta")
-    assert all(p.is_meta for p in model.parameters())
-    model.materialize("cpu")
-    assert not any(p.is_meta for p in model.parameters())
-
-
 # ---------------------------------------------------------------- loader errors
 
 def test_missing_and_bad_config(tmp_path):

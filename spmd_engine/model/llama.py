@@ -195,12 +195,6 @@ class CausalLM(nn.Module):
         if self.spec.tie_word_embeddings and self.is_first_stage and self.is_last_stage:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def materialize(self, device: str | torch.device) -> "CausalLM":
-        """Meta-device skeleton -> uninitialised shard-sized storage on `device`."""
-        self.to_empty(device=device)
-        self.tie_weights()
-        return self
-
     def checkpoint_tensors(self) -> Iterator[tuple[str, str, Any]]:
         """(HF tensor name, our parameter name, shard_id) for every tensor this rank needs."""
         for name, _ in self.named_parameters():
