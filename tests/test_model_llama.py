@@ -18,7 +18,7 @@ import torch
 
 from fake_groups import ShardOnlyGroup, SoloGroup, make_grid_groups, run_distributed
 from spmd_engine.config import ConfigError
-from spmd_engine.model import AttentionMetadata, CausalLM, check_model_parallel, load_model, pp_layer_range
+from spmd_engine.model import AttentionMetadata, check_model_parallel, load_model, pp_layer_range
 from spmd_engine.model import loader as loader_module
 from spmd_engine.model.partition import PP_PARTITION_ENV
 
