@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import NoReturn
 
 from spmd_engine.config import BACKENDS, ParallelConfig
 
@@ -18,7 +19,7 @@ EXIT_USAGE = 2
 class UsageParser(argparse.ArgumentParser):
     """ArgumentParser whose errors are one line and exit 2 (DESIGN 4.1)."""
 
-    def error(self, message: str) -> "NoReturn":  # type: ignore[name-defined]  # noqa: F821
+    def error(self, message: str) -> NoReturn:
         print(f"error: {message}", file=sys.stderr)
         raise SystemExit(EXIT_USAGE)
 

@@ -17,7 +17,7 @@ import time
 
 from spmd_engine import topology
 from spmd_engine.cli_args import EXIT_USAGE, UsageParser, add_parallel_args
-from spmd_engine.config import DTYPES, ConfigError, launched_by_torchrun
+from spmd_engine.config import DTYPES, ConfigError
 from spmd_engine.prompts import PromptInput, load_prompts
 from spmd_engine.sampling_params import SamplingParams
 from spmd_engine.topology import TopologyError

@@ -20,8 +20,7 @@ import time
 import numpy as np
 import pytest
 
-from spmd_engine.executor.shm_queue import (MessageQueue, PeerGoneError,
-                                            WaitPolicy)
+from spmd_engine.executor.shm_queue import MessageQueue, PeerGoneError
 
 CTX = mp.get_context("spawn")
 SMALL = dict(chunk_bytes=4096, n_chunks=4)  # small ring: wraps and blocks often

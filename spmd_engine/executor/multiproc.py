@@ -151,8 +151,7 @@ class MultiprocExecutor(Executor):
             if close_queues:
                 mq.close()
         if close_queues:
-            store, self._store = getattr(self, "_store", None), None
-            del store
+            self._store = None  # the rendezvous TCPStore closes when dropped
 
 
 def _ensure_worker_termination(procs: list[mp.Process], grace_s: float = 5.0) -> None:
