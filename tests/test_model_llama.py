@@ -171,6 +171,23 @@ def test_kv_cache_schedule_matches_full_forward(checkpoints):
             row += len(tokens)
 
 
+def test_a_step_of_new_prompts_attends_causally_without_a_mask(checkpoints):
+    """Step 1 holds only new prompts (padded rows of different lengths): no [B, T, L] mask
+    is built; step 2 has cached prefixes and needs one. Both are checked against the
+    uncached pass by the test above."""
+    solo = SoloGroup()
+    model = load_model(checkpoints["llama"], solo, solo)
+    model.allocate_kv_cache(NUM_SLOTS, MAX_LEN)
+    plans = []
+    with torch.no_grad():
+        for step in SCHEDULE[:2]:
+            ids, positions, md = step_inputs(step)
+            model(ids, positions, md)
+            plans.append(md.plan(ids.shape[1]))
+    assert plans[0].fresh and not plans[0]._masks
+    assert not plans[1].fresh and plans[1]._masks
+
+
 # ---------------------------------------------------------------- placement over stages
 
 def vllm_placement(num_layers, pp_size):
