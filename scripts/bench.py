@@ -155,8 +155,8 @@ def plain_torch_generator(model_dir: str, dtype):
     import torch
     from spmd_engine.model.attention import AttentionMetadata
     from spmd_engine.model.loader import load_model
-    from tests.fake_groups import single_group  # type: ignore
-    g = single_group()
+    from spmd_engine.model.solo import SoloGroup
+    g = SoloGroup()
     model = load_model(model_dir, g, g, dtype=dtype)
 
     def run(prompts, new_tokens):

@@ -148,9 +148,9 @@ def generate_records(llm, prompts: list[PromptInput], params: SamplingParams, in
                      progress: Progress | None = None) -> list[dict]:
     """Generate for a share of the prompts, seeding each by its global index (a replica's
     share can be empty: fewer prompts than replicas)."""
-    from dataclasses import replace
     if not indices:
         return []
+    from dataclasses import replace
 
     from spmd_engine.engine.llm import request_seed
     per_prompt = [replace(params, seed=request_seed(llm.seed, i)) for i in indices]

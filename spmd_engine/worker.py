@@ -204,10 +204,9 @@ class Worker:
         return out
 
     def shutdown(self) -> None:
-        from spmd_engine.distributed import destroy_distributed_environment, destroy_model_parallel
+        from spmd_engine.distributed import destroy_distributed_environment
         self.model = None
-        destroy_model_parallel()
-        destroy_distributed_environment()
+        destroy_distributed_environment()  # the model-parallel groups first, then ours
         if getattr(self, "_owns_default_group", False):
             import torch.distributed as dist
             if dist.is_initialized():

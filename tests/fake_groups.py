@@ -5,7 +5,8 @@ GroupCoordinator attributes the model code uses, run in real processes.
 them in a gloo group on a free port (bound to port 0, never hard-coded), calls
 `fn(rank, world_size, *args)` in each, and returns the results by rank. Every
 run is bounded by a timeout and its processes are killed (by pid) if they
-outlive it. The lead will swap DistGroup for the real GroupCoordinator.
+outlive it. Model tests use these plain gloo groups so a layer's arithmetic is
+checked apart from the runtime; engine tests run the real GroupCoordinator.
 """
 
 from __future__ import annotations
