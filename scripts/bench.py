@@ -161,20 +161,19 @@ def plain_torch_generator(model_dir: str, dtype):
 
     def run(prompts, new_tokens):
         B, T = len(prompts), len(prompts[0])
-        model.allocate_kv_cache(B, T + new_tokens)
-        ids = torch.tensor(prompts)
-        slots = torch.arange(B)
+        bs = 16
+        per_seq = -(-(T + new_tokens) // bs)
+        model.allocate_kv_cache(B * per_seq, bs)
+        tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(B)]
+        ids = torch.tensor([t for p in prompts for t in p])
         t = time.perf_counter()
         with torch.inference_mode():
-            ctx = torch.zeros(B, dtype=torch.long)
-            q = torch.full((B,), T)
-            pos = torch.arange(T).expand(B, T)
+            ctx, q = [0] * B, [T] * B
             for step in range(new_tokens):
-                h = model.forward(ids, pos, AttentionMetadata(slots, ctx, q))["hidden_states"][:, -1]
-                ids = model.compute_logits(h).argmax(-1, keepdim=True)
-                ctx = ctx + q
-                pos = ctx[:, None]
-                q = torch.ones(B, dtype=torch.long)
+                md = AttentionMetadata.build(ctx, q, tables, bs, "cpu")
+                h = model.forward(ids, md.positions, md)["hidden_states"]
+                ids = model.compute_logits(h[torch.tensor(q).cumsum(0) - 1]).argmax(-1)
+                ctx, q = [c + n for c, n in zip(ctx, q)], [1] * B
         return B * new_tokens / (time.perf_counter() - t)
     return run
 

@@ -16,8 +16,10 @@ import sys
 import time
 
 from spmd_engine import topology
-from spmd_engine.cli_args import EXIT_USAGE, UsageParser, add_parallel_args
-from spmd_engine.config import DTYPES, ConfigError
+from spmd_engine.cli_args import (
+    EXIT_USAGE, UsageParser, add_cache_args, add_parallel_args, cache_kwargs_from_args, check_cache_args,
+)
+from spmd_engine.config import DEFAULT_MAX_NUM_SEQS, DTYPES, ConfigError
 from spmd_engine.prompts import PromptInput, load_prompts
 from spmd_engine.sampling_params import SamplingParams
 from spmd_engine.topology import TopologyError
@@ -44,7 +46,8 @@ def build_parser() -> UsageParser:
     p.add_argument("--logprobs", type=int, default=None, metavar="K")
     p.add_argument("--dtype", choices=DTYPES, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
+    add_cache_args(p)
     p.add_argument("--pp-partition", default=None, metavar="3,3,2",
                    help="layers per PP stage (default: vLLM's even split)")
     p.add_argument("--output", default=None, metavar="FILE.jsonl")
@@ -60,6 +63,7 @@ def sampling_params_from_args(args) -> SamplingParams:
 
 
 def check_args(args) -> None:
+    check_cache_args(args)
     if args.prompt and args.prompts_file:
         raise ConfigError("give prompts with --prompt or --prompts-file, not both")
     if args.output and os.path.isdir(args.output):
@@ -70,7 +74,7 @@ def check_args(args) -> None:
 
 def check_model_and_prompts(args, prompts: list[PromptInput]) -> None:
     """The model against the layout, then every prompt against the model: before any process starts."""
-    from spmd_engine.config import ModelConfig
+    from spmd_engine.config import ModelConfig, SchedulerConfig
     from spmd_engine.engine.input_processor import InputProcessor
     from spmd_engine.model.loader import check_checkpoint
     from spmd_engine.model.partition import check_model_parallel
@@ -79,6 +83,12 @@ def check_model_and_prompts(args, prompts: list[PromptInput]) -> None:
     check_model_parallel(processor.hf_config, args.tensor_parallel_size, args.pipeline_parallel_size,
                          source=os.path.join(model_dir, "config.json"))
     check_checkpoint(model_dir)
+    scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                enable_chunked_prefill=args.enable_chunked_prefill)
+    try:
+        scheduler.resolve(processor.max_model_len, args.block_size)
+    except ConfigError as exc:
+        raise ConfigError(f"--max-num-batched-tokens: {exc}") from None
     for index, prompt in enumerate(prompts):
         processor.encode(prompt.as_llm_input(), index)
 
@@ -93,7 +103,7 @@ def llm_from_args(args):
                distributed_executor_backend=args.distributed_executor_backend, seed=args.seed,
                dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                enable_expert_parallel=args.enable_expert_parallel, pp_partition=args.pp_partition,
-               nnodes=args.nnodes, timeout_s=args.timeout)
+               nnodes=args.nnodes, timeout_s=args.timeout, **cache_kwargs_from_args(args))
 
 
 def result_record(index: int, prompt: PromptInput, out) -> dict:

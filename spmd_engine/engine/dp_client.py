@@ -106,6 +106,12 @@ class DPEngineClient:
             conn.send(("rpc", (dumps_method(method), args, kwargs, unique_reply_rank)))
         return [r for i in range(len(self.procs)) for r in self._reply(i, "collective_rpc")]
 
+    def call_core(self, method: str, *args) -> list:
+        """`EngineCore.method(*args)` in every replica, one reply each (prefix cache, stats)."""
+        for conn in self.conns:
+            conn.send(("core", (method, args)))
+        return [self._reply(i, method) for i in range(len(self.procs))]
+
     def shutdown(self) -> None:
         for conn, proc in zip(self.conns, self.procs):
             if proc.is_alive():
@@ -152,6 +158,9 @@ def run_engine_core(config, executor_class, max_model_len, eos, name, conn, pare
                         core.add_request(request)
                     relay = (lambda n, tokens: conn.send(("progress", (n, tokens)))) if relay_progress else None
                     conn.send(("ok", core.run_until_done(relay)))
+                elif kind == "core":
+                    method, args = payload
+                    conn.send(("ok", getattr(core, method)(*args)))
                 elif kind == "rpc":
                     method, args, kwargs, reply_rank = payload
                     conn.send(("ok", core.executor.collective_rpc(loads_method(method), args, kwargs, reply_rank)))

@@ -15,7 +15,8 @@ from typing import Any, Callable, Sequence
 
 from spmd_engine import topology
 from spmd_engine.config import (
-    ConfigError, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+    DEFAULT_MAX_NUM_SEQS, CacheConfig, ConfigError, EngineConfig, ModelConfig, ParallelConfig,
+    SchedulerConfig,
 )
 from spmd_engine.engine.core import EngineDeadError, ProgressCallback
 from spmd_engine.engine.outputs import CompletionOutput, RequestOutput
@@ -35,9 +36,12 @@ class LLM:
                  pipeline_parallel_size: int = 1, data_parallel_size: int = 1,
                  prefill_context_parallel_size: int = 1, decode_context_parallel_size: int = 1,
                  distributed_executor_backend: str | type | None = None, seed: int = 0,
-                 dtype: str | None = None, max_model_len: int | None = None, max_num_seqs: int = 8,
-                 enable_expert_parallel: bool = False, pp_partition: str | None = None,
-                 device: str | None = None, timeout_s: float | None = None, nnodes: int = 1):
+                 dtype: str | None = None, max_model_len: int | None = None,
+                 max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, enable_expert_parallel: bool = False,
+                 pp_partition: str | None = None, device: str | None = None, timeout_s: float | None = None,
+                 nnodes: int = 1, block_size: int = 16, gpu_memory_utilization: float = 0.9,
+                 kv_cache_memory_bytes: int | None = None, max_num_batched_tokens: int | None = None,
+                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True):
         from spmd_engine.engine.input_processor import InputProcessor
         from spmd_engine.model.partition import check_model_parallel, parse_pp_partition
 
@@ -64,11 +68,17 @@ class LLM:
             parse_pp_partition(partition, spec.num_layers, parallel.pipeline_parallel_size)
         if timeout_s is None:
             timeout_s = float(os.environ.get("SPMD_ENGINE_TIMEOUT_S", "300"))
+        cache = CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
+                            kv_cache_memory_bytes=kv_cache_memory_bytes,
+                            enable_prefix_caching=enable_prefix_caching)
+        scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                    enable_chunked_prefill=enable_chunked_prefill)
+        scheduler.resolve(self.max_model_len, block_size)
         self.config = EngineConfig(
-            model_config=model_config, parallel_config=parallel,
-            scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=self.max_model_len),
-            seed=seed, device=device or _default_device(), timeout_s=timeout_s,
+            model_config=model_config, parallel_config=parallel, scheduler_config=scheduler,
+            cache_config=cache, seed=seed, device=device or _default_device(), timeout_s=timeout_s,
         )
+        check_kv_budget_up_front(self.config, self.hf_config, spec)
         self.seed = seed
         self._next_request = 0
         self._engine = self._make_engine()
@@ -146,6 +156,21 @@ class LLM:
                 raise ConfigError(f"ranks {odd} passed different prompts or sampling params than rank "
                                   f"{group.ranks[0]}; every rank of a replica must pass the same")
 
+    # -- the KV cache ---------------------------------------------------------------
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (as vLLM: False while requests are running)."""
+        if hasattr(self._engine, "generate"):
+            return all(self._engine.call_core("reset_prefix_cache"))
+        return self._engine.reset_prefix_cache()
+
+    def get_stats(self) -> list[dict]:
+        """Per replica this process drives: scheduler and block counters (steps, preemptions,
+        peak_running, prefix_queries_tokens, prefix_hits_tokens, ...) and the output rank's
+        runner counters under "runner" (tokens, prefill_tokens: prompt tokens computed)."""
+        if hasattr(self._engine, "generate"):
+            return self._engine.call_core("get_stats")
+        return [self._engine.get_stats()]
+
     # -- workers ------------------------------------------------------------------
     def collective_rpc(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None,
                        unique_reply_rank: int | None = None) -> list[Any]:
@@ -179,6 +204,31 @@ class LLM:
             self.shutdown()
         except Exception:
             pass
+
+
+def check_kv_budget_up_front(config: EngineConfig, hf_config, spec) -> None:
+    """An explicit (or CPU default) KV budget too small for one sequence is a usage error,
+    found before any process starts; workers check again with their device's numbers."""
+    from spmd_engine import kv_sizing
+    from spmd_engine.model.loader import resolve_dtype
+    from spmd_engine.model.partition import pp_layer_range
+    pc, cache = config.parallel_config, config.cache_config
+    if config.device != "cpu" and cache.kv_cache_memory_bytes is None:
+        return  # a device's budget is known only on the device
+    tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
+    layers = max(b - a for a, b in (pp_layer_range(spec.num_layers, r, pp, config.model_config.pp_partition)
+                                    for r in range(pp)))
+    kv_heads = 1 if tp > spec.num_kv_heads else spec.num_kv_heads // tp
+    itemsize = resolve_dtype(config.model_config.dtype, hf_config, config.device).itemsize
+    per_token = kv_sizing.kv_bytes_per_token(layers, kv_heads, spec.head_dim, itemsize)
+    if cache.kv_cache_memory_bytes is not None:
+        budget = cache.kv_cache_memory_bytes
+    else:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        procs = int(os.environ.get("LOCAL_WORLD_SIZE", pc.world_size * pc.data_parallel_size))
+        budget = kv_sizing.cpu_budget(cache, available, procs)
+    blocks = kv_sizing.num_blocks_for(budget, cache.block_size, per_token)
+    kv_sizing.check_fits(blocks, cache.block_size, config.scheduler_config.max_model_len, per_token, budget)
 
 
 def _default_device() -> str:
