@@ -9,7 +9,9 @@ scheduler copy manages the same number of blocks.
 
 from __future__ import annotations
 
-from spmd_engine.config import CacheConfig, ConfigError
+from dataclasses import dataclass
+
+from spmd_engine.config import CacheConfig, ConfigError, EngineConfig
 
 GiB = 1 << 30
 CPU_DEFAULT_CAP = 4 * GiB
@@ -66,3 +68,52 @@ def describe(num_blocks: int, block_size: int, bytes_per_token: int) -> str:
     tokens = num_blocks * block_size
     return (f"KV cache: {num_blocks} blocks of {block_size} tokens = {tokens} tokens, "
             f"{tokens * bytes_per_token / GiB:.3f} GiB per rank")
+
+
+@dataclass
+class KVPlan:
+    """The KV cache a launch will get per rank, as far as it is known before any process starts."""
+
+    bytes_per_token: int  # on the rank with the most layers
+    budget_bytes: int | None  # None: known only on the device (CUDA without an explicit budget)
+    block_size: int
+    source: str
+
+    @property
+    def num_blocks(self) -> int | None:
+        if self.budget_bytes is None:
+            return None
+        return num_blocks_for(self.budget_bytes, self.block_size, self.bytes_per_token)
+
+    def describe(self, max_model_len: int) -> str:
+        head = f"KV cache: {self.bytes_per_token} bytes per token per rank"
+        if self.num_blocks is None:
+            return f"{head}; budget {self.source}"
+        tokens = self.num_blocks * self.block_size
+        if tokens < max_model_len:
+            return (f"{head}; budget {self.budget_bytes} bytes per rank ({self.source}) = {tokens} tokens: "
+                    f"too small for one sequence of max_model_len {max_model_len}")
+        return (f"{head}; budget {self.budget_bytes / GiB:.3f} GiB per rank ({self.source}) = {self.num_blocks} "
+                f"blocks of {self.block_size} tokens = {tokens} tokens = {tokens // max_model_len} sequences "
+                f"of max_model_len {max_model_len}")
+
+
+def plan_kv(config: EngineConfig, spec, itemsize: int, available_bytes: int, procs_on_host: int) -> KVPlan:
+    """From the model's shape and the layout: bytes per token on the fullest stage, and the
+    budget when it does not depend on a device (explicit, or the CPU default on this host)."""
+    from spmd_engine.model.partition import pp_layer_range
+    pc, cache = config.parallel_config, config.cache_config
+    tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
+    layers = max(b - a for a, b in (pp_layer_range(spec.num_layers, r, pp, config.model_config.pp_partition)
+                                    for r in range(pp)))
+    kv_heads = 1 if tp > spec.num_kv_heads else spec.num_kv_heads // tp  # TP > KV heads replicates them
+    per_token = kv_bytes_per_token(layers, kv_heads, spec.head_dim, itemsize)
+    if cache.kv_cache_memory_bytes is not None:
+        return KVPlan(per_token, cache.kv_cache_memory_bytes, cache.block_size, "--kv-cache-memory-bytes")
+    if config.device != "cpu":
+        return KVPlan(per_token, None, cache.block_size,
+                      f"{cache.gpu_memory_utilization:g} of each GPU less weights and activations, "
+                      f"measured on the device")
+    budget = cpu_budget(cache, available_bytes, procs_on_host)
+    return KVPlan(per_token, budget, cache.block_size,
+                  f"CPU default: min(4 GiB, 40% of available memory / {procs_on_host} processes)")

@@ -210,6 +210,15 @@ def log_launch(llm) -> None:
                 device, llm.config.parallel_config.distributed_executor_backend)
 
 
+def log_engine_stats(llm, first_replica: int = 0) -> None:
+    """One line per replica: steps, preemptions, prefix-cache hits, prompt tokens computed."""
+    for i, s in enumerate(llm.get_stats()):
+        logger.info("engine stats (replica %d): steps=%d preemptions=%d peak_running=%d "
+                    "prefix_hits_tokens=%d/%d prefill_tokens=%d kv_blocks=%d", first_replica + i, s["steps"],
+                    s["preemptions"], s["peak_running"], s["prefix_hits_tokens"], s["prefix_queries_tokens"],
+                    s["runner"]["prefill_tokens"], s["num_blocks"])
+
+
 def run_launched(args, prompts, params) -> list[dict] | None:
     """Under torchrun/srun: this replica's share, gathered to global rank 0."""
     import torch.distributed as dist
@@ -233,6 +242,8 @@ def run_launched(args, prompts, params) -> list[dict] | None:
             progress = Progress(len(indices), label)
         records = generate_records(llm, prompts, params, indices, progress=progress)
         is_replica_head = world.rank % layout.world_size == 0
+        if is_replica_head:
+            log_engine_stats(llm, first_replica=replica)
         gathered = [None] * world.world_size if world.rank == 0 else None
         dist.gather_object(records if is_replica_head else None, gathered, dst=0, group=world.cpu_group)
         if world.rank != 0:
@@ -247,7 +258,9 @@ def run_local(args, prompts, params) -> list[dict]:
     llm = llm_from_args(args)
     try:
         progress = Progress(len(prompts)) if progress_wanted(args) else None
-        return generate_records(llm, prompts, params, list(range(len(prompts))), progress=progress)
+        records = generate_records(llm, prompts, params, list(range(len(prompts))), progress=progress)
+        log_engine_stats(llm)
+        return records
     finally:
         llm.shutdown()
 

@@ -13,7 +13,7 @@ import os
 import pickle
 from typing import Any, Callable, Sequence
 
-from spmd_engine import topology
+from spmd_engine import kv_sizing, topology
 from spmd_engine.config import (
     DEFAULT_MAX_NUM_SEQS, CacheConfig, ConfigError, EngineConfig, ModelConfig, ParallelConfig,
     SchedulerConfig,
@@ -209,26 +209,19 @@ class LLM:
 def check_kv_budget_up_front(config: EngineConfig, hf_config, spec) -> None:
     """An explicit (or CPU default) KV budget too small for one sequence is a usage error,
     found before any process starts; workers check again with their device's numbers."""
-    from spmd_engine import kv_sizing
+    plan = front_end_kv_plan(config, hf_config, spec)
+    if plan.budget_bytes is not None:
+        kv_sizing.check_fits(plan.num_blocks, plan.block_size, config.scheduler_config.max_model_len,
+                             plan.bytes_per_token, plan.budget_bytes)
+
+
+def front_end_kv_plan(config: EngineConfig, hf_config, spec) -> "kv_sizing.KVPlan":
     from spmd_engine.model.loader import resolve_dtype
-    from spmd_engine.model.partition import pp_layer_range
-    pc, cache = config.parallel_config, config.cache_config
-    if config.device != "cpu" and cache.kv_cache_memory_bytes is None:
-        return  # a device's budget is known only on the device
-    tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
-    layers = max(b - a for a, b in (pp_layer_range(spec.num_layers, r, pp, config.model_config.pp_partition)
-                                    for r in range(pp)))
-    kv_heads = 1 if tp > spec.num_kv_heads else spec.num_kv_heads // tp
+    pc = config.parallel_config
     itemsize = resolve_dtype(config.model_config.dtype, hf_config, config.device).itemsize
-    per_token = kv_sizing.kv_bytes_per_token(layers, kv_heads, spec.head_dim, itemsize)
-    if cache.kv_cache_memory_bytes is not None:
-        budget = cache.kv_cache_memory_bytes
-    else:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        procs = int(os.environ.get("LOCAL_WORLD_SIZE", pc.world_size * pc.data_parallel_size))
-        budget = kv_sizing.cpu_budget(cache, available, procs)
-    blocks = kv_sizing.num_blocks_for(budget, cache.block_size, per_token)
-    kv_sizing.check_fits(blocks, cache.block_size, config.scheduler_config.max_model_len, per_token, budget)
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    procs = int(os.environ.get("LOCAL_WORLD_SIZE", pc.world_size * pc.data_parallel_size))
+    return kv_sizing.plan_kv(config, spec, itemsize, available, procs)
 
 
 def _default_device() -> str:
