@@ -36,7 +36,7 @@ class EngineCore:
             self.executor.shutdown()
             raise
         self.num_kv_blocks = num_blocks
-        logger.info("%s", kv_sizing.describe(num_blocks, cache.block_size, per_token))
+        logger.info("engine ready: %s", kv_sizing.describe(num_blocks, cache.block_size, per_token))
         kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config, kv, eos_token_id)
 
