@@ -170,14 +170,15 @@ def plain_torch_generator(model_dir: str, dtype):
         per_seq = -(-(T + new_tokens) // bs)
         model.allocate_kv_cache(B * per_seq, bs)
         tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(B)]
-        ids = torch.tensor([t for p in prompts for t in p])
+        ids = prompts
         t = time.perf_counter()
         with torch.inference_mode():
             ctx, q = [0] * B, [T] * B
             for step in range(new_tokens):
                 md = AttentionMetadata.build(ctx, q, tables, bs, "cpu")
-                h = model.forward(ids, md.positions, md)["hidden_states"]
-                ids = model.compute_logits(h[torch.tensor(q).cumsum(0) - 1]).argmax(-1)
+                h = model.forward(torch.tensor(md.pack(ids)), md.positions, md)["hidden_states"]
+                last = torch.tensor([md.row_start[i] + q[i] - 1 for i in range(B)])
+                ids = model.compute_logits(h[last]).argmax(-1).view(B, 1).tolist()
                 ctx, q = [c + n for c, n in zip(ctx, q)], [1] * B
         return B * new_tokens / (time.perf_counter() - t)
     return run

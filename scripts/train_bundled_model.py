@@ -252,8 +252,8 @@ def greedy_decode(model: CausalLM, prompts: list[list[int]], max_new: int, eos: 
     feed = [list(p) for p in prompts]
     for _ in range(max_new):
         attn = AttentionMetadata.build(ctx, [len(f) for f in feed], [tables[r] for r in live], block_size, "cpu")
-        hidden = model(torch.tensor([t for f in feed for t in f]), attn.positions, attn)["hidden_states"]
-        last = torch.tensor([len(f) for f in feed]).cumsum(0) - 1
+        hidden = model(torch.tensor(attn.pack(feed)), attn.positions, attn)["hidden_states"]
+        last = torch.tensor([attn.row_start[i] + len(f) - 1 for i, f in enumerate(feed)])
         next_ids = model.compute_logits(hidden[last]).argmax(dim=-1).tolist()
         keep = []
         for i, (row, token) in enumerate(zip(live, next_ids)):

@@ -108,7 +108,7 @@ class ModelRunner:
 
     def _prepare_inputs(self, out: SchedulerOutput):
         from spmd_engine.model.attention import AttentionMetadata
-        context, lens, tables, ids, sample_index = [], [], [], [], []
+        context, lens, tables = [], [], []
         prefill = 0
         for s in out.seqs:
             if s.new_block_table:
@@ -117,14 +117,14 @@ class ModelRunner:
                 table = self.block_tables[s.request_id]
                 table.extend(s.block_ids)
             n = len(s.token_ids)
-            ids.extend(s.token_ids)
             context.append(s.context_len)
             lens.append(n)
             tables.append(table)
-            if s.sample:
-                sample_index.append(len(ids) - 1)
             prefill += max(0, min(s.context_len + n, self.prompt_lens.get(s.request_id, 0)) - s.context_len)
         attn = AttentionMetadata.build(context, lens, tables, self.block_size, self.device)
+        ids = attn.pack([s.token_ids for s in out.seqs])
+        # The last token of each sampling request, in schedule order, wherever packing put it.
+        sample_index = [attn.row_start[i] + lens[i] - 1 for i, s in enumerate(out.seqs) if s.sample]
         self.stats["steps"] += 1
         self.stats["tokens"] += len(ids)
         self.stats["prefill_tokens"] += prefill

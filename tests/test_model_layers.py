@@ -179,11 +179,11 @@ def _attention_block_errors(group, randn) -> dict:
     # Packed tokens over a paged cache (4-token blocks; A owns blocks 8.., B owns blocks 0..).
     # step 1: A prefills 3 tokens, B prefills 4
     md = AttentionMetadata.build([0, 0], [3, 4], [[8, 9], [0, 1]], 4, "cpu")
-    out = block(torch.cat([seq_a[:3], seq_b[:4]]), md.positions, md)
+    out = md.to_row_order(block(md.pack([seq_a[:3], seq_b[:4]]), md.positions, md))
     err = max(_max_err(out[:3], ref_a[:3]), _max_err(out[3:], ref_b[:4]))
     # step 2 (mixed): A prefills its last 2 tokens, B decodes 1 (into its second block)
     md = AttentionMetadata.build([3, 4], [2, 1], [[8, 9], [0, 1]], 4, "cpu")
-    out = block(torch.cat([seq_a[3:5], seq_b[4:5]]), md.positions, md)
+    out = md.to_row_order(block(md.pack([seq_a[3:5], seq_b[4:5]]), md.positions, md))
     err = max(err, _max_err(out[:2], ref_a[3:5]), _max_err(out[2:], ref_b[4:5]))
     # step 3: pure decode of B
     md = AttentionMetadata.build([5], [1], [[0, 1]], 4, "cpu")
@@ -341,10 +341,10 @@ def test_attention_pure_decode_batch_matches_no_cache():
     # prefill all but the last token of each (the one-token sequence has nothing to prefill)
     pre = [i for i in range(8) if lens[i] > 1]
     md = AttentionMetadata.build([0] * len(pre), [lens[i] - 1 for i in pre], [tables[i] for i in pre], 4, "cpu")
-    attn(torch.cat([qs[i][:-1] for i in pre]), torch.cat([ks[i][:-1] for i in pre]),
-         torch.cat([vs[i][:-1] for i in pre]), md)
+    attn(md.pack([qs[i][:-1] for i in pre]), md.pack([ks[i][:-1] for i in pre]), md.pack([vs[i][:-1] for i in pre]), md)
     md = AttentionMetadata.build([n - 1 for n in lens], [1] * 8, tables, 4, "cpu")
-    out = attn(torch.cat([q[-1:] for q in qs]), torch.cat([k[-1:] for k in ks]), torch.cat([v[-1:] for v in vs]), md)
+    out = md.to_row_order(attn(md.pack([q[-1:] for q in qs]), md.pack([k[-1:] for k in ks]),
+                               md.pack([v[-1:] for v in vs]), md))
     for i in range(8):
         ref = _reference_attention(qs[i], ks[i], vs[i], 8 ** -0.5)[-1].reshape(-1)
         assert _max_err(out[i], ref) < TOL

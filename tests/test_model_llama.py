@@ -48,7 +48,8 @@ BLOCK_SIZE, NUM_BLOCKS = 4, 12
 
 
 def run_schedule(model, send=None, recv=None) -> list[np.ndarray]:
-    """Run SCHEDULE on this stage; on the last stage return the logits of every token per step."""
+    """Run SCHEDULE on this stage; on the last stage return the logits of every token per step,
+    in the schedule's row order."""
     model.allocate_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
     logits = []
     for step in SCHEDULE:
@@ -62,7 +63,7 @@ def run_schedule(model, send=None, recv=None) -> list[np.ndarray]:
             send(out["hidden_states"])
             send(out["residual"])
             continue
-        logits.append(model.compute_logits(out["hidden_states"]).numpy())
+        logits.append(model.compute_logits(md.to_row_order(out["hidden_states"])).numpy())
     return logits
 
 

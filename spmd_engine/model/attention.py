@@ -3,7 +3,7 @@
 A layer's cache is two tensors [num_blocks, block_size, kv_heads, head_dim].
 A step's tokens arrive packed, [N, heads, head_dim], with no padding: each
 request contributes the tokens it computes this step (a whole prompt, a chunk
-of one, or one decode token). Each token's K/V goes to its slot
+of one, or one decode token), in the order AttentionMetadata chose. Each token's K/V goes to its slot
 (`slot_mapping`: block * block_size + offset) before any row reads the
 cache, so a request may share blocks another request fills in the same step.
 
@@ -30,47 +30,72 @@ PAD_LIMIT = 1.25  # a group's padded queries may exceed its real ones by at most
 
 @dataclass
 class RowGroup:
-    """Some of a step's requests, attended in one SDPA call with queries padded to T."""
+    """Requests attended in one SDPA call: their tokens are packed[start:end], rows padded to T."""
 
-    token_index: torch.Tensor  # [n] packed index of each real query token of the group
-    pad_index: torch.Tensor  # [n] where it sits in the group's padded [G * T] layout
+    start: int
+    end: int
     num_rows: int  # G
     width: int  # T
-    in_order: bool  # token_index == pad_index == 0..n-1: no gather or scatter needed
+    pad_index: torch.Tensor | None  # [end - start] slot of each token in [G * T]; None: rows are full width
     block_tables: torch.Tensor | None = None  # [G, nb] (cached groups): the blocks to read
     mask: torch.Tensor | None = None  # [G, 1, T, nb * block_size]: query t may see key j
 
 
 @dataclass
 class AttentionMetadata:
-    """What every layer needs to write and read the cache in one step; built once per step."""
+    """What every layer needs to write and read the cache in one step; built once per step.
+
+    The step's tokens are packed group by group (`row_order`), so each group is one
+    contiguous slice: a group of equal-length rows (all decodes, `n` copies of a prompt)
+    is a view, with no gather or scatter.
+    """
 
     slot_mapping: torch.Tensor  # [N] cache slot of each new token
     groups: list[RowGroup]
     num_tokens: int
-    positions: torch.Tensor | None = None  # [N] position of each new token in its sequence
+    positions: torch.Tensor  # [N] position of each new token in its sequence
+    row_order: list[int]  # the requests (scheduler rows) in packed order
+    row_start: list[int]  # where each request's tokens start in the packed step, by scheduler row
+    query_lens: list[int]
 
     @classmethod
     def build(cls, context_lens: Sequence[int], query_lens: Sequence[int],
               block_tables: Sequence[Sequence[int]], block_size: int, device) -> "AttentionMetadata":
-        """From each request's cached length, new-token count and block table."""
+        """From each request's cached length, new-token count and block table (scheduler order)."""
         B = len(query_lens)
-        starts = [0] * B
-        for b in range(1, B):
-            starts[b] = starts[b - 1] + query_lens[b - 1]
-        n = starts[-1] + query_lens[-1] if B else 0
-        width = max((len(t) for t in block_tables), default=1) or 1
-        table = torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=torch.long)
-        row = torch.repeat_interleave(torch.arange(B), torch.tensor(query_lens))
-        pos = torch.arange(n) - torch.tensor(starts)[row] + torch.tensor(context_lens)[row]
-        slots = table[row, pos // block_size] * block_size + pos % block_size
         fresh = [b for b in range(B) if context_lens[b] == 0]
         cached = [b for b in range(B) if context_lens[b] > 0]
-        groups = [_group(rows, starts, context_lens, query_lens, None, block_size, n, device)
-                  for rows in _bucket(fresh, query_lens)]
-        groups += [_group(rows, starts, context_lens, query_lens, table, block_size, n, device)
-                   for rows in _bucket(cached, query_lens)]
-        return cls(slot_mapping=slots.to(device), groups=groups, num_tokens=n, positions=pos.to(device))
+        buckets = [(rows, False) for rows in _bucket(fresh, query_lens)]
+        buckets += [(rows, True) for rows in _bucket(cached, query_lens)]
+        order = [b for rows, _ in buckets for b in rows]
+        row_start, at = [0] * B, 0
+        for b in order:
+            row_start[b] = at
+            at += query_lens[b]
+        n = at
+        width = max((len(t) for t in block_tables), default=1) or 1
+        table = torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=torch.long)
+        row = torch.repeat_interleave(torch.tensor(order, dtype=torch.long),
+                                      torch.tensor([query_lens[b] for b in order], dtype=torch.long))
+        pos = torch.arange(n) - torch.tensor(row_start)[row] + torch.tensor(context_lens, dtype=torch.long)[row]
+        slots = table[row, pos // block_size] * block_size + pos % block_size
+        groups = [_group(rows, row_start, context_lens, query_lens, table if is_cached else None, block_size,
+                         device) for rows, is_cached in buckets]
+        return cls(slot_mapping=slots.to(device), groups=groups, num_tokens=n, positions=pos.to(device),
+                   row_order=order, row_start=row_start, query_lens=list(query_lens))
+
+    def pack(self, per_row: Sequence):
+        """Per-request sequences (lists or tensors, scheduler order) -> one packed list/tensor."""
+        parts = [per_row[b] for b in self.row_order]
+        if parts and isinstance(parts[0], torch.Tensor):
+            return torch.cat(parts)
+        return [x for part in parts for x in part]
+
+    def to_row_order(self, packed: torch.Tensor) -> torch.Tensor:
+        """Packed per-token rows back in scheduler order (for references and tests)."""
+        index = [i for b in range(len(self.query_lens)) for i in range(self.row_start[b],
+                                                                        self.row_start[b] + self.query_lens[b])]
+        return packed[torch.tensor(index, dtype=torch.long, device=packed.device)]
 
 
 def _bucket(rows: list[int], query_lens: Sequence[int]) -> list[list[int]]:
@@ -88,23 +113,23 @@ def _bucket(rows: list[int], query_lens: Sequence[int]) -> list[list[int]]:
     return buckets
 
 
-def _group(rows, starts, context_lens, query_lens, table, block_size, n, device) -> RowGroup:
-    T = max(query_lens[b] for b in rows)
-    token_index = torch.cat([torch.arange(starts[b], starts[b] + query_lens[b]) for b in rows])
-    pad_index = torch.cat([torch.arange(g * T, g * T + query_lens[b]) for g, b in enumerate(rows)])
-    # Every row full width and the rows back to back: the packed tokens are the padded layout.
-    in_order = len(rows) * T == n == len(token_index) and bool((token_index == torch.arange(n)).all())
-    group = RowGroup(token_index.to(device), pad_index.to(device), len(rows), T, in_order)
+def _group(rows, row_start, context_lens, query_lens, table, block_size, device) -> RowGroup:
+    lens = [query_lens[b] for b in rows]
+    T = max(lens)
+    start = row_start[rows[0]]
+    pad_index = None
+    if any(q != T for q in lens):
+        pad_index = torch.cat([torch.arange(g * T, g * T + q) for g, q in enumerate(lens)]).to(device)
+    group = RowGroup(start, start + sum(lens), len(rows), T, pad_index)
     if table is not None:
-        ctx = torch.tensor([context_lens[b] for b in rows])
-        seq_lens = ctx + torch.tensor([query_lens[b] for b in rows])
-        nb = -(-int(seq_lens.max()) // block_size)
+        ctx = torch.tensor([context_lens[b] for b in rows], dtype=torch.long)
+        nb = -(-int((ctx + torch.tensor(lens)).max()) // block_size)
         group.block_tables = table[rows, :nb].to(device)
         keys = torch.arange(nb * block_size)
         # Query t of a row sits at position ctx + t and sees keys 0..ctx + t. Padded queries
         # see key 0 at least (no all-masked row, no NaN); their outputs are dropped.
-        group.mask = (keys.view(1, 1, -1) <= (ctx.view(-1, 1, 1) + torch.arange(T).view(1, -1, 1))).unsqueeze(1)
-        group.mask = group.mask.to(device)
+        mask = keys.view(1, 1, -1) <= (ctx.view(-1, 1, 1) + torch.arange(T).view(1, -1, 1))
+        group.mask = mask.unsqueeze(1).to(device)
     return group
 
 
@@ -145,12 +170,9 @@ class Attention(nn.Module):
         D = self.head_dim
         self.k_cache.view(-1, self.num_kv_heads, D).index_copy_(0, attn.slot_mapping, k)
         self.v_cache.view(-1, self.num_kv_heads, D).index_copy_(0, attn.slot_mapping, v)
-        if len(attn.groups) == 1 and attn.groups[0].in_order:
-            return self._attend(q, k, v, attn.groups[0]).reshape(attn.num_tokens, -1)
-        out = q.new_empty(attn.num_tokens, self.num_heads, D)
-        for group in attn.groups:
-            out[group.token_index] = self._attend(q, k, v, group)
-        return out.reshape(attn.num_tokens, -1)
+        outs = [self._attend(q[g.start:g.end], k[g.start:g.end], v[g.start:g.end], g) for g in attn.groups]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return out.reshape(attn.num_tokens, self.num_heads * D)
 
     def _causal(self, q, k, v) -> torch.Tensor:
         group = self.num_heads // self.num_kv_heads
@@ -161,7 +183,7 @@ class Attention(nn.Module):
         return out.transpose(1, 2)
 
     def _attend(self, q, k, v, g: RowGroup) -> torch.Tensor:
-        """The group's real query tokens' outputs, [n, heads, D], in token_index order."""
+        """The group's outputs [n, heads, D] for its packed q [n, heads, D] (k, v: its new tokens)."""
         G, T, D = g.num_rows, g.width, self.head_dim
         qg = self._padded(q, g)
         if g.block_tables is None:  # fresh prompts: causal over their own new tokens
@@ -174,13 +196,13 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=g.mask, scale=self.scale,
                                                  enable_gqa=True)
         out = out.transpose(1, 2).reshape(G * T, self.num_heads, D)
-        return out if g.in_order else out[g.pad_index]
+        return out if g.pad_index is None else out[g.pad_index]
 
     @staticmethod
     def _padded(x: torch.Tensor, g: RowGroup) -> torch.Tensor:
-        """x [N, heads, D] -> the group's [G, heads, T, D], zeros where a row is shorter."""
-        if g.in_order:
+        """The group's packed x [n, heads, D] -> [G, heads, T, D], zeros where a row is shorter."""
+        if g.pad_index is None:
             return x.view(g.num_rows, g.width, *x.shape[1:]).transpose(1, 2)
         padded = x.new_zeros(g.num_rows * g.width, *x.shape[1:])
-        padded[g.pad_index] = x[g.token_index]
+        padded[g.pad_index] = x
         return padded.view(g.num_rows, g.width, *x.shape[1:]).transpose(1, 2)
