@@ -182,3 +182,23 @@ def test_plan_prints_the_kv_budget_for_a_model(ckpt):
                          timeout=100)
     kv = json.loads(out.stdout)["kv_cache"]
     assert (kv["num_blocks"], kv["bytes_per_token"]) == (1, 256) and "too small" in kv["line"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("flags, needle", [
+    (["--block-size", "0"], "error: --block-size: block_size must be a power of two >= 1, got 0"),
+    (["--gpu-memory-utilization", "1.5"], "error: --gpu-memory-utilization: gpu_memory_utilization must be in (0, 1]"),
+    (["--max-num-batched-tokens", "8"], "error: --max-num-batched-tokens: max_num_batched_tokens (8) must be >= "
+                                        "block_size (16)"),
+    (["--kv-cache-memory-bytes", "1000"], "error: KV cache budget 1000 bytes per rank holds 0 blocks"),
+])
+def test_cli_bad_cache_flags_exit_2_with_one_line(flags, needle, tmp_path):
+    import subprocess
+    import sys
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "spmd_engine.run", "-tp", "2", "--prompt", "Beautiful is",
+                           "--output", str(out), *flags], capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(needle), proc.stderr
+    assert not out.exists()
