@@ -232,13 +232,30 @@ def test_preempted_request_recomputes_from_its_cached_prefix():
     assert len(a.output_token_ids) == len(b.output_token_ids) == 8
 
 
-def test_same_inputs_same_schedule():
-    def run():
-        s = scheduler(num_blocks=12, block_size=4, budget=9, max_model_len=32)
-        for i in range(7):
-            s.add_request(make(i, prompt_len=1 + (i * 5) % 11, max_tokens=1 + (i * 5) % 4, first=i % 3))
-        return drive(s, lambda rid, step: (int(rid) * 31 + step) % 50), s.stats
-    assert run() == run()
+def same_inputs_trace():
+    s = scheduler(num_blocks=4, block_size=4, budget=9, max_model_len=16)
+    for i in range(7):
+        s.add_request(make(i, prompt_len=1 + (i * 5) % 11, max_tokens=1 + (i * 5) % 4, first=i % 3))
+    return drive(s, lambda rid, step: (int(rid) * 31 + step) % 50), s.stats
+
+
+def test_same_inputs_same_schedule_in_other_interpreters():
+    """Same inputs, same schedule and block decisions (preemptions and prefix hits included),
+    also in interpreters with other string hashes: a scheduler that iterated a set of request
+    ids, or hashed blocks with hash(), would differ there and not within one process.
+    Negative control: a set of the same ids does come out in another order under those seeds."""
+    import json
+    from pathlib import Path
+    code = ("import json, sys; sys.path.insert(0, 'tests'); import test_scheduler as t; "
+            "print(json.dumps([t.same_inputs_trace(), list({str(i) for i in range(40)})]))")
+    runs = [json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                      cwd=Path(__file__).resolve().parents[1], timeout=60,
+                                      env={**os.environ, "PYTHONHASHSEED": seed}).stdout)
+            for seed in ("1", "2")]
+    here = json.loads(json.dumps(same_inputs_trace()))
+    assert here[1]["preemptions"] > 0 and here[1]["prefix_hits_tokens"] > 0  # the decisions that matter ran
+    assert runs[0][0] == runs[1][0] == here
+    assert runs[0][1] != runs[1][1]
 
 
 def test_finish_reasons_and_blocks_returned():
