@@ -14,7 +14,8 @@ import os
 import traceback
 from dataclasses import dataclass
 
-from spmd_engine.executor.shm_queue import MessageQueue, MessageQueueHandle, PeerGoneError
+from spmd_engine.executor.shm_queue import (MessageQueue, MessageQueueHandle, PeerGoneError,
+                                            UnpicklableError)
 
 SUCCESS, FAILURE = "success", "failure"
 SHUTDOWN = "__shutdown__"
@@ -125,9 +126,19 @@ def worker_main(config, local_rank, init_method, dp_local_rank, rpc_handle, resp
             except Exception as exc:
                 traceback.print_exc()
                 status, result = FAILURE, f"{type(exc).__name__}: {exc}"
-            if reply_rank is None or reply_rank == local_rank:
-                response.enqueue((status, result), alive=engine_alive)
+            # A failure is always reported, even by a rank whose reply was not asked for:
+            # the engine watches every response queue while it waits, and fails at once.
+            if status == FAILURE or reply_rank is None or reply_rank == local_rank:
+                try:
+                    response.enqueue((status, result), alive=engine_alive)
+                except UnpicklableError as exc:  # nothing was written: say why instead
+                    response.enqueue((FAILURE, f"{exc} (the reply of {_method_name(method)} "
+                                               f"could not be pickled)"), alive=engine_alive)
     finally:
         worker.shutdown()
         rpc.close()
         response.close()
+
+
+def _method_name(method) -> str:
+    return repr(method) if isinstance(method, str) else repr(getattr(method, "__name__", "callable"))
