@@ -32,7 +32,7 @@ POLL_S = 0.2
 class DPEngineClient:
     def __init__(self, config: EngineConfig, executor_class, max_model_len: int, eos: int | None):
         dp_size = config.parallel_config.data_parallel_size
-        from spmd_engine.proc_util import mp_context
+        from spmd_engine.proc_util import created_from_main_thread, mp_context
         ctx = mp_context()
         self.procs: list[mp.Process] = []
         self.conns = []
@@ -45,7 +45,8 @@ class DPEngineClient:
             name = topology.engine_core_name(dp_rank, dp_size)
             proc = ctx.Process(target=run_engine_core, name=name, daemon=False,
                                args=(replica_config, executor_class, max_model_len, eos, name, child, os.getpid(),
-                                     logging.getLogger("spmd_engine").getEffectiveLevel()))
+                                     logging.getLogger("spmd_engine").getEffectiveLevel(),
+                                     created_from_main_thread()))
             proc.start()
             child.close()
             self.procs.append(proc)
@@ -145,12 +146,12 @@ class DPEngineClient:
 
 
 def run_engine_core(config, executor_class, max_model_len, eos, name, conn, parent_pid,
-                    log_level=logging.WARNING) -> None:
+                    log_level=logging.WARNING, parent_main_thread: bool = False) -> None:
     """Body of an EngineCore_DP{i} process: build the engine, then serve the front end."""
     from spmd_engine.engine.core import EngineCore
     from spmd_engine.proc_util import die_with_parent, set_process_title
     set_process_title(name)
-    die_with_parent(parent_pid)
+    die_with_parent(parent_pid, parent_main_thread)
     logging.basicConfig(level=log_level, format=f"[{name}] %(message)s")
     try:
         core = EngineCore(config, executor_class, max_model_len, eos)

@@ -48,13 +48,14 @@ class WorkerHandle:
 
 def start_worker(config, local_rank: int, init_method: str, dp_local_rank: int,
                  rpc_handle: MessageQueueHandle, response_handle: MessageQueueHandle, name: str) -> WorkerHandle:
-    from spmd_engine.proc_util import mp_context
+    from spmd_engine.proc_util import created_from_main_thread, mp_context
     ctx = mp_context()
     reader, writer = ctx.Pipe(duplex=False)
     log_level = logging.getLogger("spmd_engine").getEffectiveLevel()
     proc = ctx.Process(target=worker_main, name=name, daemon=True,
                        args=(config, local_rank, init_method, dp_local_rank, rpc_handle,
-                             response_handle, writer, os.getpid(), name, log_level))
+                             response_handle, writer, os.getpid(), name, log_level,
+                             created_from_main_thread()))
     proc.start()
     writer.close()
     return WorkerHandle(name, local_rank, proc, reader)
@@ -87,12 +88,13 @@ def _share_cores(config, first_on_host: bool) -> None:
 
 
 def worker_main(config, local_rank, init_method, dp_local_rank, rpc_handle, response_handle,
-                ready_conn, parent_pid, name, log_level=logging.WARNING) -> None:
+                ready_conn, parent_pid, name, log_level=logging.WARNING,
+                parent_main_thread: bool = False) -> None:
     from spmd_engine.executor.abstract import loads_method, run_method
     from spmd_engine.proc_util import die_with_parent, set_process_title
     from spmd_engine.worker import Worker
     set_process_title(name)
-    die_with_parent(parent_pid)
+    die_with_parent(parent_pid, parent_main_thread)
     logging.basicConfig(level=log_level, format=f"[{name}] %(message)s")
     _share_cores(config, first_on_host=local_rank == 0 and dp_local_rank == 0)
     rpc = MessageQueue.attach(rpc_handle, reader_index=local_rank)
