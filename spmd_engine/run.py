@@ -202,8 +202,6 @@ def log_launch(llm) -> None:
 
 def run_launched(args, prompts, params) -> list[dict] | None:
     """Under torchrun/srun: this replica's share, gathered to global rank 0."""
-    import torch.distributed as dist
-
     from spmd_engine.distributed import init_distributed_environment
     init_distributed_environment(timeout_s=args.timeout)
     check_same_invocation(args, prompts)
@@ -222,15 +220,34 @@ def run_launched(args, prompts, params) -> list[dict] | None:
             label = f" (replica 0 of {layout.num_replicas})" if layout.num_replicas > 1 else ""
             progress = Progress(len(indices), label)
         records = generate_records(llm, prompts, params, indices, progress=progress)
-        is_replica_head = world.rank % layout.world_size == 0
-        gathered = [None] * world.world_size if world.rank == 0 else None
-        dist.gather_object(records if is_replica_head else None, gathered, dst=0, group=world.cpu_group)
-        if world.rank != 0:
-            return None
-        merged = [r for part in gathered if part for r in part]
-        return sorted(merged, key=lambda r: r["index"])
+        return gather_records(records, world.rank, world.rank % layout.world_size == 0,
+                              list(range(0, world.world_size, layout.world_size)))
     finally:
         llm.shutdown()
+
+
+def gather_records(records: list[dict], rank: int, is_replica_head: bool, heads: list[int]) -> list[dict] | None:
+    """Every replica head's records to global rank 0, through the launcher's store.
+
+    Not a collective: a collective runs under the hang timeout, and replicas that
+    finish more than --timeout apart are merely uneven, not hung. Rank 0 polls the
+    store with no deadline; a replica that died instead still ends the job (torchrun
+    and srun --kill-on-bad-exit stop every rank when one fails).
+    """
+    import pickle
+
+    from torch.distributed.distributed_c10d import _get_default_store
+    store = _get_default_store()
+    key = "spmd_engine/results/{}".format
+    if is_replica_head:
+        store.set(key(rank), pickle.dumps(records))
+    if rank != 0:
+        return None
+    keys = [key(r) for r in heads]
+    while not store.check(keys):
+        time.sleep(0.1)
+    merged = [r for k in keys for r in pickle.loads(store.get(k))]
+    return sorted(merged, key=lambda r: r["index"])
 
 
 def run_local(args, prompts, params) -> list[dict]:
