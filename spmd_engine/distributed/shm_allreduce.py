@@ -36,10 +36,10 @@ nothing in /dev/shm. The mapping lives until destroy().
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import platform
-import secrets
 import socket
 import time
 
@@ -47,7 +47,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-SHM_DIR = "/dev/shm"
+from spmd_engine.shm_segment import SHM_DIR, ShmSegment
+
+logger = logging.getLogger("spmd_engine")
+
 SHM_PREFIX = "spmd_ar_"
 DISABLE_ENV = "SPMD_ENGINE_DISABLE_SHM_ALLREDUCE"
 DEFAULT_SLOT_BYTES = 1 << 20
@@ -123,17 +126,19 @@ class ShmAllReduce:
         if len({i[0] for i in infos}) != 1 or not all(i[1] for i in infos):
             return None
         size = nranks * LINE + 2 * nranks * slot_bytes
-        name = [cls._make_segment(size) if me == 0 else None]
+        seg = cls._make_segment(size, label) if me == 0 else None
+        name = [seg.name if seg is not None else None]
+        mm = None
         try:
             dist.broadcast_object_list(name, src=ranks[0], group=cpu_group)
             if name[0] is None:
                 return None
-            mm = cls._attach(os.path.join(SHM_DIR, name[0]), size)
+            mm = seg.mm if seg is not None else cls._attach(name[0], size)
             attached: list = [None] * nranks
             dist.all_gather_object(attached, mm is not None, group=cpu_group)
         finally:
-            if me == 0 and name[0] is not None:
-                os.unlink(os.path.join(SHM_DIR, name[0]))  # everyone attached, gave up or failed
+            if seg is not None:
+                seg.unlink()  # everyone attached, gave up or failed
         if not all(attached):
             if mm is not None:
                 mm.close()
@@ -141,36 +146,23 @@ class ShmAllReduce:
         # Watch peers' processes only if we see them as they see themselves (same pid namespace).
         peers = [(i[2], i[3]) for i in infos]
         watch = all(ident is not None and _process_identity(pid) == ident for pid, ident in peers)
-        return cls(mm, name[0], nranks, me, slot_bytes, label, timeout_s, peers if watch else None)
+        return cls(mm, name[0].lstrip("/"), nranks, me, slot_bytes, label, timeout_s, peers if watch else None)
 
     @staticmethod
-    def _attach(path: str, size: int) -> mmap.mmap | None:
+    def _attach(name: str, size: int) -> mmap.mmap | None:
         try:
-            fd = os.open(path, os.O_RDWR)
+            return ShmSegment.attach(name, size).mm
         except OSError:
             return None
-        try:
-            return mmap.mmap(fd, size)
-        except OSError:
-            return None
-        finally:
-            os.close(fd)
 
     @staticmethod
-    def _make_segment(size: int) -> str | None:
-        name = f"{SHM_PREFIX}{os.getpid()}_{secrets.token_hex(8)}"
+    def _make_segment(size: int, label: str) -> ShmSegment | None:
+        """Reserved up front (a full tmpfs fails here, not with SIGBUS later); None: use gloo."""
         try:
-            fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        except OSError:
+            return ShmSegment.create(size, SHM_PREFIX, what=f"the all-reduce of group {label}")
+        except OSError as exc:
+            logger.warning("group %s: no shared-memory all-reduce, using gloo: %s", label, exc)
             return None
-        try:
-            os.posix_fallocate(fd, 0, size)  # reserve now: a full tmpfs fails here, not with SIGBUS later
-        except OSError:
-            os.close(fd)
-            os.unlink(os.path.join(SHM_DIR, name))
-            return None
-        os.close(fd)
-        return name
 
     # ---- the operation ----------------------------------------------
     def supports(self, t: torch.Tensor) -> bool:
