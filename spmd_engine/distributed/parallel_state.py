@@ -93,6 +93,14 @@ def init_distributed_environment(world_size: int = -1, rank: int = -1, local_ran
         kwargs = dict(init_method=distributed_init_method, rank=rank, world_size=world_size)
     elif launch is not None and launch.source == "torchrun":
         kwargs = dict(init_method="env://", rank=launch.rank, world_size=launch.world_size)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        if attempt not in ("", "0"):
+            # torchrun --max-restarts keeps its store across attempts: a restarted attempt would
+            # read the first attempt's keys (gloo's addresses) and fail to connect. Namespace them.
+            store, _, _ = next(dist.rendezvous("env://", rank=launch.rank, world_size=launch.world_size,
+                                               timeout=_STATE.timeout))
+            kwargs = dict(store=dist.PrefixStore(f"spmd_engine/attempt{attempt}/", store),
+                          rank=launch.rank, world_size=launch.world_size)
     elif launch is not None:
         method = launch.init_method if distributed_init_method == "env://" else distributed_init_method
         kwargs = dict(init_method=method, rank=launch.rank, world_size=launch.world_size)

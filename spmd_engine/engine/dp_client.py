@@ -16,6 +16,7 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import traceback
 from dataclasses import replace
 from multiprocessing.connection import wait
@@ -100,7 +101,11 @@ class DPEngineClient:
                 if status == "finished":
                     finished.extend(payload)
                     if progress is not None:
-                        progress(len(payload), sum(len(r.output_token_ids) for r in payload))
+                        tokens = sum(len(r.output_token_ids) for r in payload)
+                        if getattr(progress, "wants_requests", False):
+                            progress(len(payload), tokens, payload)  # LLM streams the outputs
+                        else:
+                            progress(len(payload), tokens)
                 else:
                     del pending[conn]
         return finished
@@ -152,6 +157,7 @@ def run_engine_core(config, executor_class, max_model_len, eos, name, conn, pare
     from spmd_engine.proc_util import die_with_parent, set_process_title
     set_process_title(name)
     die_with_parent(parent_pid, parent_main_thread)
+    signal.signal(signal.SIGTERM, _end_with_workers)
     logging.basicConfig(level=log_level, format=f"[{name}] %(message)s")
     try:
         core = EngineCore(config, executor_class, max_model_len, eos)
@@ -183,6 +189,17 @@ def run_engine_core(config, executor_class, max_model_len, eos, name, conn, pare
                 conn.send(("error", _one_line(exc)))
     finally:
         core.shutdown()
+
+
+def _end_with_workers(signum, frame) -> None:
+    """SIGTERM from the front end (fail fast): kill and reap this replica's workers, then exit,
+    so that when the front end has joined this process its workers are gone too."""
+    children = mp.active_children()
+    for child in children:
+        child.kill()
+    for child in children:
+        child.join(timeout=2)
+    os._exit(128 + signum)
 
 
 def _end_processes(procs: list[mp.Process], grace_s: float) -> None:
