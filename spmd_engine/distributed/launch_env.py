@@ -189,3 +189,22 @@ def read_launch_env(environ: Mapping[str, str]) -> LaunchEnv | None:
     if env.world_size < 1 or not 0 <= env.rank < env.world_size:
         raise ConfigError(f"{env.source} launch: rank {env.rank} is outside world size {env.world_size}")
     return env
+
+
+def nccl_env_defaults(environ: Mapping[str, str], timeout_s: float) -> dict[str, str]:
+    """NCCL watchdog settings so a hang still ends the job; a value the user set is kept.
+
+    The collective timeout is enforced by NCCL's watchdog thread, not by the call:
+    with async error handling on, a collective that exceeds it tears the process
+    down (exit, so torchrun / srun end the rest) instead of leaving the rank stuck
+    forever in a kernel. The heartbeat monitor kills a process whose watchdog itself
+    is stuck (e.g. inside a CUDA call), after HEARTBEAT_TIMEOUT_SEC. Neither can see
+    a hang that is not a timed-out NCCL collective (an infinite loop in Python on
+    one rank shows up as its peers' collective timing out).
+    """
+    wanted = {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "TORCH_NCCL_ENABLE_MONITORING": "1",
+        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(max(480, int(timeout_s) + 60)),
+    }
+    return {k: v for k, v in wanted.items() if not environ.get(k)}

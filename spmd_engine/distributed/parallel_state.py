@@ -22,7 +22,7 @@ import torch.distributed as dist
 from spmd_engine import topology
 from spmd_engine.config import ConfigError, ParallelConfig
 from spmd_engine.distributed.group_coordinator import GroupCoordinator
-from spmd_engine.distributed.launch_env import read_launch_env
+from spmd_engine.distributed.launch_env import nccl_env_defaults, read_launch_env
 
 logger = logging.getLogger("spmd_engine")
 
@@ -88,6 +88,8 @@ def init_distributed_environment(world_size: int = -1, rank: int = -1, local_ran
         _STATE.device_backend = _device_backend(str(dist.get_backend()))
         return
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if "nccl" in backend:  # a hang must still end the job: NCCL's watchdog enforces the timeout
+        os.environ.update(nccl_env_defaults(os.environ, _STATE.timeout.total_seconds()))
     kwargs: dict = {}
     if rank >= 0 and world_size > 0:
         kwargs = dict(init_method=distributed_init_method, rank=rank, world_size=world_size)
