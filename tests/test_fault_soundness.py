@@ -142,3 +142,22 @@ def test_an_unpicklable_reply_is_an_error_not_a_dead_worker():
             llm.collective_rpc(_unpicklable, unique_reply_rank=1)
         with pytest.raises(RuntimeError, match="^Executor failed.$"):
             llm.collective_rpc(_rank)
+
+
+def _rank1_fails_late(w):
+    if w.tp_group.rank_in_group == 1:
+        time.sleep(0.5)  # after the output rank has answered
+        raise ValueError("rank 1 failed after rank 0 answered")
+    return "ok"
+
+
+@pytest.mark.timeout(120)
+def test_a_failure_after_the_output_rank_answered_fails_the_next_call():
+    with LLM(tensor_parallel_size=2) as llm:
+        assert llm.collective_rpc(_rank1_fails_late, unique_reply_rank=0) == ["ok"]
+        time.sleep(1.0)  # rank 1's failure report is in its queue now
+        # Before: a fast call answered by rank 0 alone succeeded on a replica with a failed rank.
+        with pytest.raises(RuntimeError, match="Worker failed with error 'ValueError: rank 1 failed after"):
+            llm.collective_rpc(_rank, unique_reply_rank=0)
+        with pytest.raises(RuntimeError, match="^Executor failed.$"):
+            llm.collective_rpc(_rank)

@@ -113,6 +113,7 @@ class MultiprocExecutor(Executor):
         """
         if self.is_failed:
             raise RuntimeError("Executor failed.")
+        self._check_no_late_reply()
         send_method = dumps_method(method)
         timeout = self.config.timeout_s if timeout is None else timeout
         name = method if isinstance(method, str) else getattr(method, "__name__", "callable")
@@ -157,6 +158,20 @@ class MultiprocExecutor(Executor):
                                    f"above for the root cause")
             results.append(result)
         return results
+
+    def _check_no_late_reply(self) -> None:
+        """Between calls every response queue is empty, unless a worker whose reply was not
+        asked for reported a failure after the call returned: fail on it now, before this
+        call runs on a replica with a broken rank. (A memory read per worker.)"""
+        for rank, mq in enumerate(self.response_mqs):
+            if mq.has_message():
+                status, result = mq.dequeue(timeout=self.config.timeout_s)
+                if status == FAILURE:
+                    self._fail(f"worker {rank} raised {result} after the previous call returned")
+                    raise RuntimeError(f"Worker failed with error '{result}', please check the stack "
+                                       f"trace above for the root cause")
+                self._fail(f"worker {rank} sent a reply nobody asked for")
+                raise RuntimeError("Executor failed.")
 
     def _fail(self, why: str) -> None:
         """Mark the executor failed and end this replica's workers (they may sit in a
