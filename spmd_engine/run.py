@@ -8,7 +8,6 @@ a launcher, LLM does the same with its own processes (mp) or in this one (uni).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -314,22 +313,13 @@ def prompts_to_do(args, prompts: list[PromptInput]) -> tuple[list[int], dict | N
     return todo, ident
 
 
-def write_records(records: list[dict], path: str | None) -> None:
-    if path is None:
-        for r in records:
-            header = f"=== prompt {r['index']} ({r['finish_reason']}, {len(r['token_ids'])} tokens)"
-            print(header)
-            print((r["prompt"] or "") + r["text"], flush=True)
-        return
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            for r in records:
-                f.write(json.dumps(r, ensure_ascii=False) + "\n")
-        os.replace(tmp, path)  # readers see the whole file or none
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+def print_records(records: list[dict]) -> None:
+    """Without --output: every result on stdout, in input order (with --output the part
+    files are merged into the file instead; see spmd_engine.output_parts)."""
+    for r in records:
+        header = f"=== prompt {r['index']} ({r['finish_reason']}, {len(r['token_ids'])} tokens)"
+        print(header)
+        print((r["prompt"] or "") + r["text"], flush=True)
 
 
 def _global_rank() -> int:
@@ -389,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         _record_for_torchrun(exc)
         return EXIT_RUNTIME
     if records is not None:
-        write_records(records, None)
+        print_records(records)
     return 0
 
 

@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import os
 import platform
 import struct
 import sys
