@@ -124,7 +124,7 @@ class ShmSegment(_Segment):
 
     @classmethod
     def create(cls, size: int, label: str = "") -> "ShmSegment":
-        seg = super().create(size, NAME_PREFIX, label, what=f"message queue {label!r}", with_pid=False)
+        seg = super().create(size, NAME_PREFIX, label, what=f"message queue {label!r}")
         resource_tracker.register(seg.name, "shared_memory")
         return seg
 
