@@ -15,6 +15,11 @@ Figures
   decode     LLM.generate (uni) tokens/s vs HF transformers generate (or a plain PyTorch
              decode loop) on the same random Llama weights, fp32 and bf16; plus the
              fraction of the memory-bandwidth roofline (bandwidth measured by a tensor sum)
+  capacity   paged KV: peak concurrent requests (64 x 32-token prompts + 32 new tokens) under the KV
+             budget of 4 max_model_len=4096 slots, vs those 4 slots
+  prefix     8 prompts of 512 tokens x 8 copies, 16 new tokens: tokens/s with prefix caching vs without
+  chunked    7 running decodes + a 4096-token prompt arriving: the decodes' worst inter-token gap
+             without chunked prefill vs with it (budget 256)
   tp         TP=2 mp (one thread per rank) vs uni (two threads), same model and batch
   tp4        TP=4 mp on this host (processes may outnumber cores) vs uni, tokens/s
   startup    torchrun world 8 (TP2 PP2 DP2, bundled model): launch to first token of
@@ -46,9 +51,9 @@ import bench_allreduce  # noqa: E402  (measurement code reused, not copied)
 import bench_rpc_transport  # noqa: E402
 from make_random_checkpoint import make_random_checkpoint  # noqa: E402
 
-FIGURES = ("rpc", "allreduce", "decode", "tp", "tp4", "startup", "load")
+FIGURES = ("rpc", "allreduce", "decode", "capacity", "prefix", "chunked", "tp", "tp4", "startup", "load")
 LLAMA_SHAPE = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2, intermediate_size=1536,
-                   vocab_size=32000)
+                   vocab_size=32000, max_position_embeddings=8192)
 
 
 def emit(name, value, baseline, ratio, unit, **params) -> None:
@@ -109,7 +114,7 @@ def fig_allreduce(args) -> None:
 
 # ---------------------------------------------------------------- decode
 def random_llama(args) -> str:
-    path = Path(args.workdir) / "llama_h512_l8"
+    path = Path(args.workdir) / "llama_h512_l8_p8k"
     if not (path / "config.json").exists():
         make_random_checkpoint(path, **LLAMA_SHAPE)
     return str(path)
@@ -161,20 +166,20 @@ def plain_torch_generator(model_dir: str, dtype):
 
     def run(prompts, new_tokens):
         B, T = len(prompts), len(prompts[0])
-        model.allocate_kv_cache(B, T + new_tokens)
-        ids = torch.tensor(prompts)
-        slots = torch.arange(B)
+        bs = 16
+        per_seq = -(-(T + new_tokens) // bs)
+        model.allocate_kv_cache(B * per_seq, bs)
+        tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(B)]
+        ids = prompts
         t = time.perf_counter()
         with torch.inference_mode():
-            ctx = torch.zeros(B, dtype=torch.long)
-            q = torch.full((B,), T)
-            pos = torch.arange(T).expand(B, T)
+            ctx, q = [0] * B, [T] * B
             for step in range(new_tokens):
-                h = model.forward(ids, pos, AttentionMetadata(slots, ctx, q))["hidden_states"][:, -1]
-                ids = model.compute_logits(h).argmax(-1, keepdim=True)
-                ctx = ctx + q
-                pos = ctx[:, None]
-                q = torch.ones(B, dtype=torch.long)
+                md = AttentionMetadata.build(ctx, q, tables, bs, "cpu")
+                h = model.forward(torch.tensor(md.pack(ids)), md.positions, md)["hidden_states"]
+                last = torch.tensor([md.row_start[i] + q[i] - 1 for i in range(B)])
+                ids = model.compute_logits(h[last]).argmax(-1).view(B, 1).tolist()
+                ctx, q = [c + n for c, n in zip(ctx, q)], [1] * B
         return B * new_tokens / (time.perf_counter() - t)
     return run
 
@@ -227,6 +232,119 @@ def fig_decode(args) -> None:
         emit(f"decode_roofline_fraction_{dtype_name}", achieved / 1e9, bw / 1e9, achieved / bw, "GB/s",
              ratio_is="weight bytes read per step x steps/s over measured read bandwidth (1.0 = roofline)",
              weight_bytes_per_step=step_bytes, bandwidth_probe="torch.sum over 512 MiB fp32, all threads")
+
+
+# ---------------------------------------------------------------- memory model
+def fig_capacity(args) -> None:
+    """The budget of 4 slots of max_model_len=4096 holds how many 64-token requests at once?"""
+    from spmd_engine import LLM, SamplingParams
+    model_dir = random_llama(args)
+    slots, max_len, per_token = 4, 4096, None
+    probe = LLM(model=model_dir, max_model_len=max_len, distributed_executor_backend="uni",
+                kv_cache_memory_bytes=1 << 30)
+    per_token = probe.collective_rpc(lambda w: w.model_runner.model.kv_bytes_per_token())[0]
+    probe.shutdown()
+    budget = slots * max_len * per_token
+    llm = LLM(model=model_dir, max_model_len=max_len, distributed_executor_backend="uni", kv_cache_memory_bytes=budget)
+    try:
+        prompts = prompts_for(64, 32, LLAMA_SHAPE["vocab_size"])
+        outs = llm.generate(prompts, SamplingParams(max_tokens=32, ignore_eos=True))
+        assert all(len(o.outputs[0].token_ids) == 32 for o in outs)
+        stats = llm.get_stats()[0]
+    finally:
+        llm.shutdown()
+    emit("kv_capacity_peak_running_requests", stats["peak_running"], slots, stats["peak_running"] / slots,
+         "requests", ratio_is="value/baseline: paged KV vs one max_model_len slot per sequence; target >= 8",
+         kv_budget_bytes=budget, kv_bytes_per_token=per_token, num_blocks=stats["num_blocks"], requests=64,
+         prompt=32, new_tokens=32, max_model_len=max_len, preemptions=stats["preemptions"])
+
+
+def fig_prefix(args) -> None:
+    from spmd_engine import LLM, SamplingParams
+    model_dir = random_llama(args)
+    prompts = [p for p in prompts_for(8, 512, LLAMA_SHAPE["vocab_size"]) for _ in range(8)]
+    new = 16
+    kw = dict(model=model_dir, max_model_len=1024, distributed_executor_backend="uni")
+    stats = {}
+
+    def run(caching: bool) -> float:  # one uni engine per process at a time: build, time, shut down
+        llm = LLM(enable_prefix_caching=caching, **kw)
+        try:
+            time_engine(llm, prompts[:2], 2)  # warm-up, then a cold cache
+            llm.reset_prefix_cache()
+            result = time_engine(llm, prompts, new)
+            if caching:
+                stats.update(llm.get_stats()[0])
+            return result
+        finally:
+            llm.shutdown()
+    v, b = [], []
+    for _ in range(max(1, args.reps // 2) if not args.quick else 1):
+        v.append(run(True))
+        b.append(run(False))
+    emit("prefix_cache_shared_prompts_tokens_per_s", statistics.median(v), statistics.median(b),
+         statistics.median(v) / statistics.median(b), "tokens/s",
+         ratio_is="value/baseline: prefix caching on vs off; target >= 3", prompts="8 x 512 tokens, 8 copies each",
+         new_tokens=new, dtype="float32", prefix_hits_tokens=stats["prefix_hits_tokens"],
+         prefix_queries_tokens=stats["prefix_queries_tokens"], loadavg_1m=loadavg())
+
+
+def worst_decode_gap(llm, long_prompt: int, decodes: int = 7) -> tuple[float, int]:
+    """Seconds between consecutive tokens of `decodes` running requests, worst case, over the
+    steps from the long prompt's arrival to its first token; and the steps that took."""
+    from spmd_engine import SamplingParams
+    engine = llm._engine
+    short = llm._make_requests(prompts_for(decodes, 32, LLAMA_SHAPE["vocab_size"]),
+                               SamplingParams(max_tokens=4096, ignore_eos=True))
+    for r in short:
+        engine.add_request(r)
+    for _ in range(4):  # every short request is decoding
+        engine.step()
+    (long,) = llm._make_requests([prompts_for(1, long_prompt, LLAMA_SHAPE["vocab_size"])[0]],
+                                 SamplingParams(max_tokens=1, ignore_eos=True))
+    engine.add_request(long)
+    last = {r.request_id: (time.perf_counter(), len(r.output_token_ids)) for r in short}
+    worst, steps = 0.0, 0
+    while not long.output_token_ids:
+        engine.step()
+        steps += 1
+        now = time.perf_counter()
+        for r in short:
+            if len(r.output_token_ids) > last[r.request_id][1]:
+                worst = max(worst, now - last[r.request_id][0])
+                last[r.request_id] = (now, len(r.output_token_ids))
+    for r in short:  # finish them off: free their blocks for the next repetition
+        r.params.max_tokens = len(r.output_token_ids) + 1
+    engine.run_until_done()
+    return worst, steps
+
+
+def fig_chunked(args) -> None:
+    from spmd_engine import LLM
+    model_dir = random_llama(args)
+    long_prompt = 1024 if args.quick else 4096
+    kw = dict(model=model_dir, max_model_len=long_prompt + 64, distributed_executor_backend="uni")
+    settings = {True: dict(enable_chunked_prefill=True, max_num_batched_tokens=256),
+                False: dict(enable_chunked_prefill=False)}
+
+    def gap(chunked: bool) -> tuple[float, int]:  # one uni engine per process at a time
+        llm = LLM(**settings[chunked], **kw)
+        try:
+            worst_decode_gap(llm, 64)  # warm-up
+            return worst_decode_gap(llm, long_prompt)
+        finally:
+            llm.shutdown()
+    w, b, steps = [], [], 0
+    for _ in range(1 if args.quick else max(1, args.reps // 2)):
+        g, steps = gap(True)
+        w.append(g)
+        b.append(gap(False)[0])
+    v, base = statistics.median(w), statistics.median(b)
+    emit("chunked_prefill_worst_decode_gap", v * 1e3, base * 1e3, base / v, "ms",
+         ratio_is="baseline/value: worst inter-token gap of 7 running decodes while a long prompt arrives, "
+                  "without chunked prefill / with it (budget 256); target >= 4",
+         long_prompt=long_prompt, decodes=7, chunked_steps_to_first_token=steps, dtype="float32",
+         loadavg_1m=loadavg())
 
 
 # ---------------------------------------------------------------- tp
@@ -372,7 +490,8 @@ def main() -> None:
     if unknown:
         sys.exit(f"error: unknown figure(s) {sorted(unknown)}; choose from {','.join(FIGURES)}")
     os.makedirs(args.workdir, exist_ok=True)
-    table = {"rpc": fig_rpc, "allreduce": fig_allreduce, "decode": fig_decode, "tp": fig_tp,
+    table = {"rpc": fig_rpc, "allreduce": fig_allreduce, "decode": fig_decode, "capacity": fig_capacity,
+             "prefix": fig_prefix, "chunked": fig_chunked, "tp": fig_tp,
              "tp4": lambda a: fig_tp(a, 4), "startup": fig_startup, "load": fig_load}
     for name in FIGURES:
         if name in chosen:

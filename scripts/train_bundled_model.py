@@ -240,22 +240,21 @@ def save(model: CausalLM, out_dir: Path) -> None:
 
 @torch.no_grad()
 def greedy_decode(model: CausalLM, prompts: list[list[int]], max_new: int, eos: int) -> list[list[int]]:
-    """Batched greedy decoding through the KV cache: one prefill of all prompts, then
-    one token per row per step, finished rows dropped from the batch."""
-    model.allocate_kv_cache(len(prompts), max(len(p) for p in prompts) + max_new + 1)
+    """Batched greedy decoding through the paged KV cache: one packed prefill of all
+    prompts, then one token per row per step, finished rows dropped from the batch."""
+    block_size = 16
+    per_seq = -(-(max(len(p) for p in prompts) + max_new + 1) // block_size)
+    model.allocate_kv_cache(per_seq * len(prompts), block_size)
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(prompts))]
     outputs: list[list[int]] = [[] for _ in prompts]
-    ids, _ = padded_batch([p + [0] for p in prompts])
-    ids = ids[:, :-1]
     live = list(range(len(prompts)))
-    ctx = torch.zeros(len(prompts), dtype=torch.long)
-    qlen = torch.tensor([len(p) for p in prompts])
+    ctx = [0] * len(prompts)
+    feed = [list(p) for p in prompts]
     for _ in range(max_new):
-        slots = torch.tensor(live)
-        attn = AttentionMetadata(slots=slots, context_lens=ctx, query_lens=qlen)
-        positions = ctx[:, None] + torch.arange(ids.shape[1])
-        hidden = model(ids, positions, attn)["hidden_states"]
-        last = hidden[torch.arange(len(live)), qlen - 1]
-        next_ids = model.compute_logits(last).argmax(dim=-1).tolist()
+        attn = AttentionMetadata.build(ctx, [len(f) for f in feed], [tables[r] for r in live], block_size, "cpu")
+        hidden = model(torch.tensor(attn.pack(feed)), attn.positions, attn)["hidden_states"]
+        last = torch.tensor([attn.row_start[i] + len(f) - 1 for i, f in enumerate(feed)])
+        next_ids = model.compute_logits(hidden[last]).argmax(dim=-1).tolist()
         keep = []
         for i, (row, token) in enumerate(zip(live, next_ids)):
             outputs[row].append(token)
@@ -263,10 +262,9 @@ def greedy_decode(model: CausalLM, prompts: list[list[int]], max_new: int, eos: 
                 keep.append(i)
         if not keep:
             break
-        ctx = (ctx + qlen)[keep]
+        ctx = [ctx[i] + len(feed[i]) for i in keep]
         live = [live[i] for i in keep]
-        ids = torch.tensor([[next_ids[i]] for i in keep])
-        qlen = torch.ones(len(keep), dtype=torch.long)
+        feed = [[next_ids[i]] for i in keep]
     return outputs
 
 

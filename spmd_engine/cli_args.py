@@ -11,7 +11,7 @@ import argparse
 import sys
 from typing import NoReturn
 
-from spmd_engine.config import BACKENDS, ParallelConfig
+from spmd_engine.config import BACKENDS, CacheConfig, ConfigError, ParallelConfig, SchedulerConfig
 
 EXIT_USAGE = 2
 
@@ -50,3 +50,44 @@ def parallel_config_from_args(args: argparse.Namespace, data_parallel_rank: int 
         enable_expert_parallel=args.enable_expert_parallel,
         distributed_executor_backend=args.distributed_executor_backend,
     )
+
+
+def add_cache_args(parser: argparse.ArgumentParser) -> None:
+    """The paged KV cache and the step's token budget (vLLM's flags)."""
+    group = parser.add_argument_group("KV cache and batching")
+    group.add_argument("--block-size", type=int, default=16, metavar="TOKENS")
+    group.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="FRACTION",
+                       help="fraction of each GPU for weights + KV cache (CUDA)")
+    group.add_argument("--kv-cache-memory-bytes", type=int, default=None, metavar="BYTES",
+                       help="KV cache budget per rank (CPU and CUDA); overrides --gpu-memory-utilization")
+    group.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                       help="token budget of one step (default 8192 with chunked prefill, "
+                            "else max(max_model_len, 2048))")
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+
+
+def cache_kwargs_from_args(args: argparse.Namespace) -> dict:
+    return dict(block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
+                kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                enable_prefix_caching=args.enable_prefix_caching,
+                enable_chunked_prefill=args.enable_chunked_prefill)
+
+
+def check_cache_args(args: argparse.Namespace) -> CacheConfig:
+    """Validate the cache flags alone (before any model is read); raises ConfigError naming the flag."""
+    try:
+        cache = CacheConfig(block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
+                            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                            enable_prefix_caching=args.enable_prefix_caching)
+        SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        enable_chunked_prefill=args.enable_chunked_prefill)
+    except ConfigError as exc:
+        raise ConfigError(f"{_flag_of(str(exc))}: {exc}") from None
+    return cache
+
+
+def _flag_of(message: str) -> str:
+    name = message.split(" ", 1)[0]
+    return "--" + name.replace("_", "-")

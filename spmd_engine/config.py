@@ -168,15 +168,77 @@ class ModelConfig:
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
+DEFAULT_MAX_NUM_SEQS = 256
+# Token budget of one step with chunked prefill (vLLM's offline default); without it a step must
+# hold a whole prompt, so the budget is max(max_model_len, 2048) as in vLLM.
+DEFAULT_CHUNKED_BATCHED_TOKENS = 8192
+UNCHUNKED_MIN_BATCHED_TOKENS = 2048
+
+
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: int = 8
+    """How many requests and tokens one engine step may take.
+
+    `max_num_batched_tokens` is the token budget of a step, shared by decodes and
+    prompt chunks; None picks vLLM's default once max_model_len is known
+    (`resolve`). Without chunked prefill a prompt enters whole, so the budget
+    must hold the longest one (max_model_len).
+    """
+
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 4096
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
         _check_positive("max_num_seqs", self.max_num_seqs)
         if self.max_model_len is not None:
             _check_positive("max_model_len", self.max_model_len)
+        if self.max_num_batched_tokens is not None:
+            _check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
+
+    def resolve(self, max_model_len: int, block_size: int) -> "SchedulerConfig":
+        """Fill in max_model_len and the token budget, then check them together."""
+        self.max_model_len = max_model_len
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = (DEFAULT_CHUNKED_BATCHED_TOKENS if self.enable_chunked_prefill
+                                           else max(max_model_len, UNCHUNKED_MIN_BATCHED_TOKENS))
+        budget = self.max_num_batched_tokens
+        if budget < block_size:
+            raise ConfigError(f"max_num_batched_tokens ({budget}) must be >= block_size ({block_size})")
+        if not self.enable_chunked_prefill and budget < max_model_len:
+            raise ConfigError(
+                f"max_num_batched_tokens ({budget}) is smaller than max_model_len ({max_model_len}): "
+                f"without chunked prefill a prompt must fit one step; raise --max-num-batched-tokens, "
+                f"lower --max-model-len or use --enable-chunked-prefill"
+            )
+        return self
+
+
+@dataclass
+class CacheConfig:
+    """The paged KV cache: block size, how much memory it gets, prefix caching.
+
+    The budget per rank is `kv_cache_memory_bytes` when given; otherwise on CUDA
+    `gpu_memory_utilization` of the device's memory minus what the process
+    already holds (weights) and an activation reserve, and on CPU
+    min(4 GiB, 40% of available host memory / processes on the host).
+    """
+
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        b = self.block_size
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1 or b & (b - 1):
+            raise ConfigError(f"block_size must be a power of two >= 1, got {b!r}")
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
+        if self.kv_cache_memory_bytes is not None:
+            _check_positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
 
 
 @dataclass
@@ -186,6 +248,7 @@ class EngineConfig:
     model_config: ModelConfig
     parallel_config: ParallelConfig
     scheduler_config: SchedulerConfig
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
     seed: int = 0
     device: str = "cpu"  # "cuda" when GPUs are present
     timeout_s: float = 300.0

@@ -11,7 +11,9 @@ import json
 import os
 import sys
 
-from spmd_engine.cli_args import EXIT_USAGE, UsageParser, add_parallel_args, parallel_config_from_args
+from spmd_engine.cli_args import (
+    EXIT_USAGE, UsageParser, add_cache_args, add_parallel_args, check_cache_args, parallel_config_from_args,
+)
 from spmd_engine.config import ConfigError, ParallelConfig, launched_by_torchrun
 from spmd_engine.plan_report import plan_dict, render_plan
 from spmd_engine.topology import Layout, TopologyError
@@ -26,6 +28,14 @@ def build_parser() -> UsageParser:
     parser.add_argument("--json", action="store_true", help="print DESIGN 4.2's JSON object")
     parser.add_argument("--live", action="store_true",
                         help="under torchrun/srun: build the groups and verify them with collectives")
+    kv = parser.add_argument_group("KV cache budget (printed when --model is given)")
+    kv.add_argument("--model", default=None, help="HF-format checkpoint directory: print its KV cache budget")
+    kv.add_argument("--dtype", default=None)
+    kv.add_argument("--max-model-len", type=int, default=None)
+    kv.add_argument("--max-num-seqs", type=int, default=256)
+    kv.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where the ranks will run (a CUDA budget is known only on the device)")
+    add_cache_args(parser)
     return parser
 
 
@@ -66,16 +76,46 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = parallel_config_from_args(args)
         layout, backend = layout_for(config, world)
+        check_cache_args(args)
+        kv = kv_plan_from_args(args, config) if args.model else None
     except (ConfigError, TopologyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     if args.live:
         return _live(config, layout)
     if args.json:
-        print(json.dumps(plan_dict(layout, backend, args.nnodes)))
+        plan = plan_dict(layout, backend, args.nnodes)
+        if kv is not None:
+            plan["kv_cache"] = kv
+        print(json.dumps(plan))
     else:
         print(render_plan(layout, backend, args.nnodes, args.enable_expert_parallel))
+        if kv is not None:
+            print(kv["line"])
     return 0
+
+
+def kv_plan_from_args(args, parallel: ParallelConfig) -> dict:
+    """The KV budget per rank for --model at this layout (imports torch: only with --model)."""
+    from spmd_engine.cli_args import cache_kwargs_from_args
+    from spmd_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from spmd_engine.engine.input_processor import InputProcessor
+    from spmd_engine.engine.llm import front_end_kv_plan
+    from spmd_engine.model.partition import check_model_parallel
+    cache_kw = cache_kwargs_from_args(args)
+    model = ModelConfig(model=args.model, dtype=args.dtype)
+    processor = InputProcessor(model.model_dir, args.max_model_len)
+    spec = check_model_parallel(processor.hf_config, parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
+                                source=os.path.join(model.model_dir, "config.json"))
+    scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                max_num_batched_tokens=cache_kw.pop("max_num_batched_tokens"),
+                                enable_chunked_prefill=cache_kw.pop("enable_chunked_prefill"))
+    scheduler.resolve(processor.max_model_len, args.block_size)
+    config = EngineConfig(model, parallel, scheduler, CacheConfig(**cache_kw), device=args.device)
+    plan = front_end_kv_plan(config, processor.hf_config, spec)
+    return {"bytes_per_token": plan.bytes_per_token, "budget_bytes": plan.budget_bytes,
+            "block_size": plan.block_size, "num_blocks": plan.num_blocks, "budget_source": plan.source,
+            "max_model_len": processor.max_model_len, "line": plan.describe(processor.max_model_len)}
 
 
 def _live(config: ParallelConfig, layout: Layout) -> int:

@@ -15,8 +15,10 @@ import sys
 import time
 
 from spmd_engine import topology
-from spmd_engine.cli_args import EXIT_USAGE, UsageParser, add_parallel_args
-from spmd_engine.config import DTYPES, ConfigError
+from spmd_engine.cli_args import (
+    EXIT_USAGE, UsageParser, add_cache_args, add_parallel_args, cache_kwargs_from_args, check_cache_args,
+)
+from spmd_engine.config import DEFAULT_MAX_NUM_SEQS, DTYPES, ConfigError
 from spmd_engine.output_parts import PartWriter, index_parts, job_identity, merge_parts, restarted
 from spmd_engine.prompts import PromptInput, load_prompts
 from spmd_engine.sampling_params import SamplingParams
@@ -44,7 +46,8 @@ def build_parser() -> UsageParser:
     p.add_argument("--logprobs", type=int, default=None, metavar="K")
     p.add_argument("--dtype", choices=DTYPES, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
+    add_cache_args(p)
     p.add_argument("--pp-partition", default=None, metavar="3,3,2",
                    help="layers per PP stage (default: vLLM's even split)")
     p.add_argument("--output", default=None, metavar="FILE.jsonl",
@@ -63,6 +66,7 @@ def sampling_params_from_args(args) -> SamplingParams:
 
 
 def check_args(args) -> None:
+    check_cache_args(args)
     if args.prompt and args.prompts_file:
         raise ConfigError("give prompts with --prompt or --prompts-file, not both")
     if args.output and os.path.isdir(args.output):
@@ -73,7 +77,7 @@ def check_args(args) -> None:
 
 def check_model_and_prompts(args, prompts: list[PromptInput]) -> None:
     """The model against the layout, then every prompt against the model: before any process starts."""
-    from spmd_engine.config import ModelConfig
+    from spmd_engine.config import ModelConfig, SchedulerConfig
     from spmd_engine.engine.input_processor import InputProcessor
     from spmd_engine.model.loader import check_checkpoint
     from spmd_engine.model.partition import check_model_parallel
@@ -82,6 +86,12 @@ def check_model_and_prompts(args, prompts: list[PromptInput]) -> None:
     check_model_parallel(processor.hf_config, args.tensor_parallel_size, args.pipeline_parallel_size,
                          source=os.path.join(model_dir, "config.json"))
     check_checkpoint(model_dir)
+    scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                enable_chunked_prefill=args.enable_chunked_prefill)
+    try:
+        scheduler.resolve(processor.max_model_len, args.block_size)
+    except ConfigError as exc:
+        raise ConfigError(f"--max-num-batched-tokens: {exc}") from None
     for index, prompt in enumerate(prompts):
         processor.encode(prompt.as_llm_input(), index)
 
@@ -96,7 +106,7 @@ def llm_from_args(args):
                distributed_executor_backend=args.distributed_executor_backend, seed=args.seed,
                dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                enable_expert_parallel=args.enable_expert_parallel, pp_partition=args.pp_partition,
-               nnodes=args.nnodes, timeout_s=args.timeout)
+               nnodes=args.nnodes, timeout_s=args.timeout, **cache_kwargs_from_args(args))
 
 
 def result_record(index: int, prompt: PromptInput, out) -> dict:
@@ -208,6 +218,15 @@ def log_launch(llm) -> None:
                 device, llm.config.parallel_config.distributed_executor_backend)
 
 
+def log_engine_stats(llm, first_replica: int = 0) -> None:
+    """One line per replica: steps, preemptions, prefix-cache hits, prompt tokens computed."""
+    for i, s in enumerate(llm.get_stats()):
+        logger.info("engine stats (replica %d): steps=%d preemptions=%d peak_running=%d "
+                    "prefix_hits_tokens=%d/%d prefill_tokens=%d kv_blocks=%d", first_replica + i, s["steps"],
+                    s["preemptions"], s["peak_running"], s["prefix_hits_tokens"], s["prefix_queries_tokens"],
+                    s["runner"]["prefill_tokens"], s["num_blocks"])
+
+
 def run_launched(args, prompts, params, todo: list[int], ident: dict | None) -> list[dict] | None:
     """Under torchrun/srun: this replica's share of `todo`, streamed to its part file (with
     --output) and merged by global rank 0, or gathered to global rank 0 and returned."""
@@ -232,6 +251,8 @@ def run_launched(args, prompts, params, todo: list[int], ident: dict | None) -> 
         heads = list(range(0, world.world_size, layout.world_size))
         if args.output is None:
             records = generate_records(llm, prompts, params, indices, progress=progress)
+            if is_head:
+                log_engine_stats(llm, first_replica=replica)
             return gather_records(records, world.rank, is_head, heads)
         writer = PartWriter(args.output, ident, replica) if is_head else None
         try:
@@ -239,6 +260,8 @@ def run_launched(args, prompts, params, todo: list[int], ident: dict | None) -> 
         finally:
             if writer is not None:
                 writer.close()
+        if is_head:
+            log_engine_stats(llm, first_replica=replica)
         gather_records([], world.rank, is_head, heads)  # every part is complete: rank 0 merges
         if world.rank == 0:
             merge_parts(args.output, ident, len(prompts))
@@ -276,12 +299,15 @@ def run_local(args, prompts, params, todo: list[int], ident: dict | None) -> lis
     try:
         progress = Progress(len(todo)) if progress_wanted(args) else None
         if args.output is None:
-            return generate_records(llm, prompts, params, todo, progress=progress)
+            records = generate_records(llm, prompts, params, todo, progress=progress)
+            log_engine_stats(llm)
+            return records
         writer = PartWriter(args.output, ident, 0)
         try:
             generate_records(llm, prompts, params, todo, progress=progress, sink=writer)
         finally:
             writer.close()
+        log_engine_stats(llm)
     finally:
         llm.shutdown()
     merge_parts(args.output, ident, len(prompts))

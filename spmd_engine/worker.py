@@ -1,10 +1,11 @@
-"""One rank: its device, its groups, its shard of the model, its part of each step.
+"""One rank: its device, its groups, and the RPC surface the executors call.
 
 A Worker is driven by name through `collective_rpc`, identically by every
 executor: in-process (uni, external_launcher) or in a spawned process (mp).
-Only the last pipeline stage samples; under external_launcher the sampled
-tokens are then broadcast along the PP group so every rank of the replica
-updates its scheduler identically.
+What happens each step (inputs, KV cache, forward, sampling) is its
+ModelRunner's. Only the last pipeline stage samples; under external_launcher
+the sampled tokens are then broadcast along the PP group so every rank of the
+replica updates its scheduler identically.
 """
 
 from __future__ import annotations
@@ -17,14 +18,9 @@ import torch
 
 from spmd_engine import topology
 from spmd_engine.config import EngineConfig
-from spmd_engine.engine.request import (
-    EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, SchedulerOutput,
-)
-from spmd_engine.sampler import Sampler
+from spmd_engine.step_messages import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("spmd_engine")
-
-KV_MEMORY_FRACTION = 0.4  # of free host memory (CPU) or free device memory (CUDA)
 
 
 class Worker:
@@ -38,9 +34,7 @@ class Worker:
         self.dp_local_rank = dp_local_rank
         self.broadcast_sampled_tokens = broadcast_sampled_tokens
         self.device = torch.device("cpu")
-        self.model = None
-        self.sampler = Sampler()
-        self._pending: tuple[list[str], torch.Tensor] | None = None
+        self.model_runner = None
         # Wall-clock marks (time.time()) of start-up phases, for benchmarks: get_timings().
         self.timings: dict[str, float] = {"worker_created": time.time()}
 
@@ -101,94 +95,45 @@ class Worker:
         init_distributed_environment(backend=backend, timeout_s=self.config.timeout_s)
 
     def load_model(self) -> None:
-        from spmd_engine.model.loader import load_model
-        from spmd_engine.model.packed_weights import pack_linear_weights, packing_applies
-        mc = self.config.model_config
+        from spmd_engine.model_runner import ModelRunner
         self.timings["load_start"] = time.time()
-        self.model = load_model(mc.model_dir, self.tp_group, self.pp_group, dtype=mc.dtype,
-                                device=self.device, pp_partition=mc.pp_partition)
-        if packing_applies(self.model.dtype, self.device):
-            packed = pack_linear_weights(self.model, batch_hint=self.config.scheduler_config.max_num_seqs)
-            logger.debug("rank %d: %d linear weights packed for oneDNN", self.rank, packed)
+        self.model_runner = ModelRunner(self.config, self.device, self.tp_group, self.pp_group,
+                                        broadcast_sampled_tokens=self.broadcast_sampled_tokens)
+        self.model_runner.load_model()
         self.timings["load_done"] = time.time()
         logger.debug("rank %d: weights loaded in %.3fs", self.rank,
                      self.timings["load_done"] - self.timings["load_start"])
 
-    def determine_num_kv_slots(self, max_num_seqs: int, max_model_len: int) -> int:
-        """How many sequences' KV cache fit here; the minimum over the whole world."""
-        per_slot = self.model.kv_cache_bytes(1, max_model_len)
-        if self.device.type == "cuda":
-            free = torch.cuda.mem_get_info(self.device)[0]
-        else:
-            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            free //= max(1, int(os.environ.get("LOCAL_WORLD_SIZE", self.config.parallel_config.world_size)))
-        fits = int(free * KV_MEMORY_FRACTION) // max(1, per_slot)
-        slots = torch.tensor([min(max_num_seqs, fits)], dtype=torch.int64)
+    @property
+    def model(self):
+        return self.model_runner.model if self.model_runner is not None else None
+
+    def determine_num_kv_blocks(self) -> tuple[int, int]:
+        """(blocks, bytes per token): this rank's budget in blocks, the minimum over the world."""
         import torch.distributed as dist
-        dist.all_reduce(slots, op=dist.ReduceOp.MIN, group=self.world_group.cpu_group)
-        agreed = int(slots.item())
-        if agreed < 1:
-            raise RuntimeError(
-                f"no room for one sequence's KV cache: max_model_len {max_model_len} needs "
-                f"{per_slot} bytes per sequence on each rank; lower --max-model-len"
-            )
-        return agreed
 
-    def initialize_kv_cache(self, num_slots: int, max_model_len: int) -> None:
-        self.model.allocate_kv_cache(num_slots, max_model_len)
+        from spmd_engine import kv_sizing
+        runner = self.model_runner
+        per_token = runner.model.kv_bytes_per_token()
+        budget = runner.kv_budget_bytes()
+        blocks = torch.tensor([kv_sizing.num_blocks_for(budget, runner.block_size, per_token)], dtype=torch.int64)
+        dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=self.world_group.cpu_group)
+        agreed = int(blocks.item())
+        kv_sizing.check_fits(agreed, runner.block_size, self.config.scheduler_config.max_model_len, per_token, budget)
+        return agreed, per_token
 
-    # -- every step -------------------------------------------------------
-    @torch.inference_mode()
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.model_runner.initialize_kv_cache(num_blocks)
+
+    # -- every step (the runner's) -------------------------------------------------
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
-        """Run this rank's stage. None means: ask sample_tokens for the result."""
-        for rid in out.finished_request_ids:
-            self.sampler.remove_request(rid)
-        for new in out.new_requests:
-            self.sampler.add_request(new.request_id, new.params, new.seed)
-        if not out.seqs:
-            return EMPTY_MODEL_RUNNER_OUTPUT
-        input_ids, positions, attn, last_index = self._prepare_inputs(out)
-        intermediate = None
-        if not self.pp_group.is_first_rank:
-            intermediate = self.pp_group.recv_tensor_dict()
-        hidden = self.model.forward(input_ids if self.pp_group.is_first_rank else None,
-                                    positions, attn, intermediate)
-        if not self.pp_group.is_last_rank:
-            self.pp_group.send_tensor_dict(hidden)
-            self._pending = ([s.request_id for s in out.seqs], None)
-            return None
-        rows = hidden["hidden_states"][torch.arange(len(out.seqs)), last_index]
-        self._pending = ([s.request_id for s in out.seqs], self.model.compute_logits(rows))
-        return None
+        return self.model_runner.execute_model(out)
 
-    def _prepare_inputs(self, out: SchedulerOutput):
-        from spmd_engine.model.attention import AttentionMetadata
-        seqs = out.seqs
-        lens = [len(s.token_ids) for s in seqs]
-        width = max(lens)
-        # One tensor construction per field (right-padded with 0), no per-row tensor or copy.
-        rows = [s.token_ids if n == width else s.token_ids + [0] * (width - n) for s, n in zip(seqs, lens)]
-        ids = torch.tensor(rows, dtype=torch.long)
-        meta = torch.tensor([[s.context_len for s in seqs], [s.slot for s in seqs], lens], dtype=torch.long)
-        context, slots, query_lens = meta.to(self.device).unbind(0)
-        positions = context[:, None] + torch.arange(width, device=self.device)[None, :]
-        attn = AttentionMetadata(slots=slots, context_lens=context, query_lens=query_lens)
-        last_index = query_lens - 1
-        return ids.to(self.device), positions, attn, last_index
-
-    @torch.inference_mode()
     def sample_tokens(self, grammar_output=None) -> ModelRunnerOutput | None:
-        if self._pending is None:
-            return None
-        request_ids, logits = self._pending
-        self._pending = None
-        result = None
-        if self.pp_group.is_last_rank:
-            tokens, logprobs = self.sampler.sample(request_ids, logits.float().cpu())
-            result = ModelRunnerOutput(request_ids, tokens, logprobs)
-        if self.broadcast_sampled_tokens and self.pp_group.world_size > 1:
-            result = self.pp_group.broadcast_object(result, src=self.pp_group.world_size - 1)
-        return result
+        return self.model_runner.sample_tokens(grammar_output)
+
+    def get_runner_stats(self) -> dict:
+        return self.model_runner.get_stats()
 
     # -- housekeeping ------------------------------------------------------
     def check_health(self) -> bool:
@@ -205,7 +150,7 @@ class Worker:
 
     def shutdown(self) -> None:
         from spmd_engine.distributed import destroy_distributed_environment
-        self.model = None
+        self.model_runner = None
         destroy_distributed_environment()  # the model-parallel groups first, then ours
         if getattr(self, "_owns_default_group", False):
             import torch.distributed as dist

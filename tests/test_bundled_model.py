@@ -30,19 +30,21 @@ def zen() -> str:
 
 @torch.no_grad()
 def greedy(model, prompt_ids: list[int], max_new: int, eos: int) -> list[int]:
-    """Prefill the prompt, then decode one token per step through the KV cache."""
-    model.allocate_kv_cache(num_slots=2, max_model_len=len(prompt_ids) + max_new + 1)
-    slot = torch.tensor([1])
-    ids, ctx, out = torch.tensor([prompt_ids]), 0, []
+    """Prefill the prompt, then decode one token per step through the paged KV cache
+    (blocks handed out in reverse order, so the table is not the identity)."""
+    block_size = 16
+    num_blocks = -(-(len(prompt_ids) + max_new + 1) // block_size)
+    model.allocate_kv_cache(num_blocks, block_size)
+    table = list(reversed(range(num_blocks)))
+    tokens, ctx, out = list(prompt_ids), 0, []
     for _ in range(max_new):
-        T = ids.shape[1]
-        attn = AttentionMetadata(slots=slot, context_lens=torch.tensor([ctx]), query_lens=torch.tensor([T]))
-        hidden = model(ids, torch.arange(ctx, ctx + T)[None], attn)["hidden_states"]
-        token = int(model.compute_logits(hidden[:, -1]).argmax(-1))
+        attn = AttentionMetadata.build([ctx], [len(tokens)], [table], block_size, "cpu")
+        hidden = model(torch.tensor(tokens), attn.positions, attn)["hidden_states"]
+        token = int(model.compute_logits(hidden[-1:]).argmax(-1))
         out.append(token)
         if token == eos:
             break
-        ctx, ids = ctx + T, torch.tensor([[token]])
+        ctx, tokens = ctx + len(tokens), [token]
     return out
 
 

@@ -154,11 +154,11 @@ def _attention_block_errors(group, randn) -> dict:
     o.weight_loader(o.weight, Wo)
     rope = RotaryEmbedding(D, 10000.0)
     attn = Attention(qkv.num_heads_per_rank, qkv.num_kv_heads_per_rank, D, D ** -0.5)
-    attn.allocate_kv_cache(num_slots=3, max_model_len=16, dtype=torch.float32, device="cpu")
+    attn.allocate_kv_cache(num_blocks=12, block_size=4, dtype=torch.float32, device="cpu")
 
     def block(x, positions, md):
-        B, T = x.shape[:2]
-        q, k, v = (t.view(B, T, -1, D) for t in qkv.split(qkv(x)))
+        lead = x.shape[:-1]
+        q, k, v = (t.view(*lead, -1, D) for t in qkv.split(qkv(x)))
         q, k = rope(positions, q, k)
         return o(attn(q, k, v, md))
 
@@ -176,22 +176,19 @@ def _attention_block_errors(group, randn) -> dict:
     x = torch.stack([seq_a, seq_b[:5]])
     out = block(x, torch.arange(5).expand(2, 5), None)
     errors["attention(no cache)"] = max(_max_err(out[0], ref_a), _max_err(out[1], reference(seq_b[:5])))
-    # step 1: A prefills 3 tokens in slot 2, B prefills 4 in slot 0 (right-padded to T=4)
-    x = torch.zeros(2, 4, H)
-    x[0, :3], x[1] = seq_a[:3], seq_b[:4]
-    md = AttentionMetadata(torch.tensor([2, 0]), torch.tensor([0, 0]), torch.tensor([3, 4]))
-    out = block(x, torch.arange(4).expand(2, 4), md)
-    err = max(_max_err(out[0, :3], ref_a[:3]), _max_err(out[1], ref_b[:4]))
-    # step 2 (mixed): A prefills its last 2 tokens, B decodes 1
-    x = torch.zeros(2, 2, H)
-    x[0], x[1, :1] = seq_a[3:5], seq_b[4:5]
-    md = AttentionMetadata(torch.tensor([2, 0]), torch.tensor([3, 4]), torch.tensor([2, 1]))
-    out = block(x, torch.tensor([[3, 4], [4, 5]]), md)
-    err = max(err, _max_err(out[0], ref_a[3:5]), _max_err(out[1, :1], ref_b[4:5]))
+    # Packed tokens over a paged cache (4-token blocks; A owns blocks 8.., B owns blocks 0..).
+    # step 1: A prefills 3 tokens, B prefills 4
+    md = AttentionMetadata.build([0, 0], [3, 4], [[8, 9], [0, 1]], 4, "cpu")
+    out = md.to_row_order(block(md.pack([seq_a[:3], seq_b[:4]]), md.positions, md))
+    err = max(_max_err(out[:3], ref_a[:3]), _max_err(out[3:], ref_b[:4]))
+    # step 2 (mixed): A prefills its last 2 tokens, B decodes 1 (into its second block)
+    md = AttentionMetadata.build([3, 4], [2, 1], [[8, 9], [0, 1]], 4, "cpu")
+    out = md.to_row_order(block(md.pack([seq_a[3:5], seq_b[4:5]]), md.positions, md))
+    err = max(err, _max_err(out[:2], ref_a[3:5]), _max_err(out[2:], ref_b[4:5]))
     # step 3: pure decode of B
-    md = AttentionMetadata(torch.tensor([0]), torch.tensor([5]), torch.tensor([1]))
-    out = block(seq_b[5:6].view(1, 1, H), torch.tensor([[5]]), md)
-    errors["attention(kv cache, mixed batch)"] = max(err, _max_err(out[0], ref_b[5:6]))
+    md = AttentionMetadata.build([5], [1], [[0, 1]], 4, "cpu")
+    out = block(seq_b[5:6], md.positions, md)
+    errors["attention(kv cache, mixed batch)"] = max(err, _max_err(out, ref_b[5:6]))
     return errors
 
 
@@ -334,20 +331,20 @@ def test_attention_pure_decode_batch_matches_no_cache():
     """Eight sequences of different lengths decoding one token each, in one call."""
     torch.manual_seed(0)
     attn = Attention(4, 2, 8, 8 ** -0.5)
-    attn.allocate_kv_cache(num_slots=10, max_model_len=12, dtype=torch.float32, device="cpu")
+    attn.allocate_kv_cache(num_blocks=40, block_size=4, dtype=torch.float32, device="cpu")
     lens = [1, 3, 5, 2, 7, 4, 6, 11]
-    slots = torch.tensor([9, 0, 4, 1, 8, 2, 7, 3])
+    # Scattered block tables: sequence i owns blocks i, i + 8, i + 16 (not contiguous).
+    tables = [[i, i + 8, i + 16] for i in range(8)]
     qs = [torch.randn(n, 4, 8) for n in lens]
     ks = [torch.randn(n, 2, 8) for n in lens]
     vs = [torch.randn(n, 2, 8) for n in lens]
-    # prefill all but the last token of each (those with one token skip prefill)
-    T = max(lens) - 1
-    pad = lambda seqs, h: torch.stack([torch.cat([s, torch.zeros(T - len(s), h, 8)]) for s in seqs])  # noqa: E731
-    md = AttentionMetadata(slots, torch.zeros(8, dtype=torch.long), torch.tensor(lens) - 1)
-    attn(pad([q[:-1] for q in qs], 4), pad([k[:-1] for k in ks], 2), pad([v[:-1] for v in vs], 2), md)
-    md = AttentionMetadata(slots, torch.tensor(lens) - 1, torch.ones(8, dtype=torch.long))
-    out = attn(torch.stack([q[-1:] for q in qs]), torch.stack([k[-1:] for k in ks]),
-               torch.stack([v[-1:] for v in vs]), md)
+    # prefill all but the last token of each (the one-token sequence has nothing to prefill)
+    pre = [i for i in range(8) if lens[i] > 1]
+    md = AttentionMetadata.build([0] * len(pre), [lens[i] - 1 for i in pre], [tables[i] for i in pre], 4, "cpu")
+    attn(md.pack([qs[i][:-1] for i in pre]), md.pack([ks[i][:-1] for i in pre]), md.pack([vs[i][:-1] for i in pre]), md)
+    md = AttentionMetadata.build([n - 1 for n in lens], [1] * 8, tables, 4, "cpu")
+    out = md.to_row_order(attn(md.pack([q[-1:] for q in qs]), md.pack([k[-1:] for k in ks]),
+                               md.pack([v[-1:] for v in vs]), md))
     for i in range(8):
         ref = _reference_attention(qs[i], ks[i], vs[i], 8 ** -0.5)[-1].reshape(-1)
-        assert _max_err(out[i, 0], ref) < TOL
+        assert _max_err(out[i], ref) < TOL

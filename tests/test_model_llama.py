@@ -18,12 +18,13 @@ import torch
 
 from fake_groups import ShardOnlyGroup, SoloGroup, make_grid_groups, run_distributed
 from spmd_engine.config import ConfigError
-from spmd_engine.model import AttentionMetadata, check_model_parallel, load_model, pp_layer_range
+from spmd_engine.model import check_model_parallel, load_model, pp_layer_range
 from spmd_engine.model import loader as loader_module
 from spmd_engine.model.partition import PP_PARTITION_ENV
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 from make_random_checkpoint import make_random_checkpoint  # noqa: E402
+from engine_helpers import packed_step  # noqa: E402
 
 LLAMA = dict(architecture="LlamaForCausalLM", hidden_size=64, num_layers=5, num_heads=8, num_kv_heads=2,
              intermediate_size=96, vocab_size=200,
@@ -32,8 +33,9 @@ LLAMA = dict(architecture="LlamaForCausalLM", hidden_size=64, num_layers=5, num_
 QWEN_TIED = dict(architecture="Qwen2ForCausalLM", hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
                  intermediate_size=128, vocab_size=150, tie_word_embeddings=True)
 
-# One schedule exercising the cache: (slot, new tokens, tokens already cached) per row.
-# Step 2 mixes a decode, a chunked-prefill continuation and a fresh prefill.
+# One schedule exercising the paged cache: (sequence, new tokens, tokens already cached) per row;
+# sequence k owns blocks 4k..4k+3 of 4 tokens. Step 2 mixes a decode, a chunked-prefill
+# continuation and a fresh prefill; rows are packed, never padded.
 _gen = torch.Generator().manual_seed(7)
 _TOKENS = {name: torch.randint(0, 150, (n,), generator=_gen).tolist() for name, n in (("a", 7), ("b", 7), ("c", 5))}
 SCHEDULE = [
@@ -41,39 +43,27 @@ SCHEDULE = [
     [(2, _TOKENS["a"][6:7], 6), (0, _TOKENS["b"][3:6], 3), (1, _TOKENS["c"][:4], 0)],
     [(0, _TOKENS["b"][6:7], 6), (1, _TOKENS["c"][4:5], 4)],
 ]
-NUM_SLOTS, MAX_LEN = 3, 16
-
-
-def step_inputs(step):
-    """Right-padded ids/positions [B, T] and the metadata of one schedule step."""
-    T = max(len(tokens) for _, tokens, _ in step)
-    ids = torch.zeros(len(step), T, dtype=torch.long)
-    for i, (_, tokens, _) in enumerate(step):
-        ids[i, : len(tokens)] = torch.tensor(tokens)
-    ctx = torch.tensor([c for _, _, c in step])
-    qlen = torch.tensor([len(t) for _, t, _ in step])
-    md = AttentionMetadata(slots=torch.tensor([s for s, _, _ in step]), context_lens=ctx, query_lens=qlen)
-    positions = ctx[:, None] + torch.arange(T)
-    return ids, positions, md
+SEQ_NAMES = {2: "a", 0: "b", 1: "c"}
+BLOCK_SIZE, NUM_BLOCKS = 4, 12
 
 
 def run_schedule(model, send=None, recv=None) -> list[np.ndarray]:
-    """Run SCHEDULE on this stage; on the last stage return the logits of every real token per step."""
-    model.allocate_kv_cache(NUM_SLOTS, MAX_LEN)
+    """Run SCHEDULE on this stage; on the last stage return the logits of every token per step,
+    in the schedule's row order."""
+    model.allocate_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
     logits = []
     for step in SCHEDULE:
-        ids, positions, md = step_inputs(step)
+        ids, positions, md = packed_step(step, BLOCK_SIZE)
         intermediate = None
         if not model.is_first_stage:
-            shape = (*ids.shape, model.spec.hidden_size)
+            shape = (len(ids), model.spec.hidden_size)
             intermediate = {"hidden_states": recv(shape), "residual": recv(shape)}
         out = model(ids if model.is_first_stage else None, positions, md, intermediate)
         if not model.is_last_stage:
             send(out["hidden_states"])
             send(out["residual"])
             continue
-        valid = md.plan(ids.shape[1]).valid
-        logits.append(model.compute_logits(out["hidden_states"][valid]).numpy())
+        logits.append(model.compute_logits(md.to_row_order(out["hidden_states"])).numpy())
     return logits
 
 
@@ -162,30 +152,24 @@ def test_kv_cache_schedule_matches_full_forward(checkpoints):
             ids = torch.tensor([tokens])
             hidden = model(ids, torch.arange(len(tokens))[None], None)["hidden_states"]
             full[name] = model.compute_logits(hidden[0]).numpy()
-    slot_names = {2: "a", 0: "b", 1: "c"}
     for step, logits in zip(SCHEDULE, cached):
         row = 0
-        for slot, tokens, ctx in step:
-            expected = full[slot_names[slot]][ctx : ctx + len(tokens)]
+        for seq, tokens, ctx in step:
+            expected = full[SEQ_NAMES[seq]][ctx : ctx + len(tokens)]
             np.testing.assert_allclose(logits[row : row + len(tokens)], expected, atol=1e-4, rtol=1e-5)
             row += len(tokens)
 
 
-def test_a_step_of_new_prompts_attends_causally_without_a_mask(checkpoints):
-    """Step 1 holds only new prompts (padded rows of different lengths): no [B, T, L] mask
-    is built; step 2 has cached prefixes and needs one. Both are checked against the
-    uncached pass by the test above."""
-    solo = SoloGroup()
-    model = load_model(checkpoints["llama"], solo, solo)
-    model.allocate_kv_cache(NUM_SLOTS, MAX_LEN)
-    plans = []
-    with torch.no_grad():
-        for step in SCHEDULE[:2]:
-            ids, positions, md = step_inputs(step)
-            model(ids, positions, md)
-            plans.append(md.plan(ids.shape[1]))
-    assert plans[0].fresh and not plans[0]._masks
-    assert not plans[1].fresh and plans[1]._masks
+def test_a_step_of_new_prompts_attends_causally_without_a_mask():
+    """Step 1 holds only new prompts (rows of different lengths): they attend to their own
+    tokens, no cache read and no mask; step 2's rows with cached prefixes read blocks under a
+    mask, and its fresh prompt does not. All checked against the uncached pass above."""
+    first = packed_step(SCHEDULE[0], BLOCK_SIZE)[2]
+    assert all(g.mask is None and g.block_tables is None for g in first.groups)
+    second = packed_step(SCHEDULE[1], BLOCK_SIZE)[2]
+    assert [g.mask is None for g in second.groups].count(True) == 1
+    # The one-token decode and the three-token chunk are not padded to each other.
+    assert sorted(g.width for g in second.groups if g.mask is not None) == [1, 3]
 
 
 # ---------------------------------------------------------------- placement over stages
@@ -303,9 +287,9 @@ def test_sliding_window_longer_than_cache_is_refused(tmp_path):
     config["sliding_window"] = 8
     (path / "config.json").write_text(json.dumps(config))
     model = load_model(path, SoloGroup(), SoloGroup())
-    model.allocate_kv_cache(2, 8)
+    model.check_max_model_len(8)
     with pytest.raises(ConfigError, match="sliding_window 8"):
-        model.allocate_kv_cache(2, 9)
+        model.check_max_model_len(9)
 
 
 # ---------------------------------------------------------------- loader
@@ -516,10 +500,9 @@ def test_logits_match_transformers(checkpoints, ckpt):
     diff = (got - expected).abs().max().item()
     print(f"{ckpt}: max |ours - transformers| = {diff:.3g} (logit scale {expected.abs().max().item():.3g})")
     assert diff <= 1e-4 * max(1.0, expected.abs().max().item())
-    slot_names = {2: "a", 0: "b", 1: "c"}
     for step, logits in zip(SCHEDULE, cached):
         row = 0
-        for slot, tokens, ctx in step:
-            ref = full[slot_names[slot]][ctx : ctx + len(tokens)].numpy()
+        for seq, tokens, ctx in step:
+            ref = full[SEQ_NAMES[seq]][ctx : ctx + len(tokens)].numpy()
             np.testing.assert_allclose(logits[row : row + len(tokens)], ref, atol=1e-4 * max(1.0, np.abs(ref).max()))
             row += len(tokens)

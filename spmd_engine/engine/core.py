@@ -1,11 +1,13 @@
-"""EngineCore: one DP replica's scheduler and executor, stepped until its requests finish."""
+"""EngineCore: one DP replica's scheduler, KV block manager and executor, stepped until done."""
 
 from __future__ import annotations
 
 import logging
 from typing import Callable
 
+from spmd_engine import kv_sizing
 from spmd_engine.config import EngineConfig
+from spmd_engine.engine.kv_cache_manager import KVCacheManager
 from spmd_engine.engine.request import Request
 from spmd_engine.engine.scheduler import Scheduler
 from spmd_engine.executor.abstract import Executor
@@ -24,17 +26,19 @@ class EngineCore:
     def __init__(self, config: EngineConfig, executor_class: type[Executor], max_model_len: int,
                  eos_token_id: int | None):
         self.config = config
+        cache = config.cache_config
+        config.scheduler_config.resolve(max_model_len, cache.block_size)
         self.executor = executor_class(config)
         try:
-            sc = config.scheduler_config
-            num_slots = self.executor.determine_num_kv_slots(sc.max_num_seqs, max_model_len)
-            self.executor.initialize_kv_cache(num_slots, max_model_len)
+            num_blocks, per_token = self.executor.determine_num_kv_blocks()
+            self.executor.initialize_kv_cache(num_blocks)
         except BaseException:
             self.executor.shutdown()
             raise
-        self.num_kv_slots = num_slots
-        logger.info("engine ready: %d KV slots of %d tokens", num_slots, max_model_len)
-        self.scheduler = Scheduler(num_slots, max_model_len, eos_token_id)
+        self.num_kv_blocks = num_blocks
+        logger.info("engine ready: %s", kv_sizing.describe(num_blocks, cache.block_size, per_token))
+        kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler_config, kv, eos_token_id)
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -62,6 +66,16 @@ class EngineCore:
                 progress(len(done), sum(len(r.output_token_ids) for r in done))
             finished.extend(done)
         return finished
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (False, changing nothing, while requests hold blocks)."""
+        return self.scheduler.reset_prefix_cache()
+
+    def get_stats(self) -> dict:
+        """Scheduler and block counters, plus the output rank's runner counters (`runner`)."""
+        runner = self.executor.collective_rpc("get_runner_stats",
+                                              unique_reply_rank=self.executor.output_rank)[0]
+        return {**self.scheduler.get_stats(), "runner": runner}
 
     def collective_rpc(self, method, args=(), kwargs=None, unique_reply_rank=None):
         return self.executor.collective_rpc(method, args, kwargs, unique_reply_rank)

@@ -137,6 +137,14 @@ class DPEngineClient:
             conn.send(("rpc", (dumps_method(method), args, kwargs, unique_reply_rank)))
         return [r for i in range(len(self.procs)) for r in self._reply(i, "collective_rpc")]
 
+    def call_core(self, method: str, *args) -> list:
+        """`EngineCore.method(*args)` in every replica, one reply each (prefix cache, stats)."""
+        if self.failed:
+            raise EngineDeadError(f"Executor failed. (the DP replicas were shut down after: {self.failed})")
+        for conn in self.conns:
+            conn.send(("core", (method, args)))
+        return [self._reply(i, method) for i in range(len(self.procs))]
+
     def shutdown(self) -> None:
         for conn, proc in zip(self.conns, self.procs):
             if proc.is_alive():
@@ -182,6 +190,9 @@ def run_engine_core(config, executor_class, max_model_len, eos, name, conn, pare
                         if done:  # streamed: the front end keeps them even if a later step fails
                             conn.send(("finished", done))
                     conn.send(("ok", None))
+                elif kind == "core":
+                    method, args = payload
+                    conn.send(("ok", getattr(core, method)(*args)))
                 elif kind == "rpc":
                     method, args, kwargs, reply_rank = payload
                     conn.send(("ok", core.executor.collective_rpc(loads_method(method), args, kwargs, reply_rank)))

@@ -13,9 +13,10 @@ import os
 import pickle
 from typing import Any, Callable, Sequence
 
-from spmd_engine import topology
+from spmd_engine import kv_sizing, topology
 from spmd_engine.config import (
-    ConfigError, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+    DEFAULT_MAX_NUM_SEQS, CacheConfig, ConfigError, EngineConfig, ModelConfig, ParallelConfig,
+    SchedulerConfig,
 )
 from spmd_engine.engine.core import EngineDeadError, ProgressCallback
 from spmd_engine.engine.outputs import CompletionOutput, RequestOutput
@@ -35,9 +36,12 @@ class LLM:
                  pipeline_parallel_size: int = 1, data_parallel_size: int = 1,
                  prefill_context_parallel_size: int = 1, decode_context_parallel_size: int = 1,
                  distributed_executor_backend: str | type | None = None, seed: int = 0,
-                 dtype: str | None = None, max_model_len: int | None = None, max_num_seqs: int = 8,
-                 enable_expert_parallel: bool = False, pp_partition: str | None = None,
-                 device: str | None = None, timeout_s: float | None = None, nnodes: int = 1):
+                 dtype: str | None = None, max_model_len: int | None = None,
+                 max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, enable_expert_parallel: bool = False,
+                 pp_partition: str | None = None, device: str | None = None, timeout_s: float | None = None,
+                 nnodes: int = 1, block_size: int = 16, gpu_memory_utilization: float = 0.9,
+                 kv_cache_memory_bytes: int | None = None, max_num_batched_tokens: int | None = None,
+                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True):
         from spmd_engine.engine.input_processor import InputProcessor
         from spmd_engine.model.partition import check_model_parallel, parse_pp_partition
 
@@ -64,11 +68,17 @@ class LLM:
             parse_pp_partition(partition, spec.num_layers, parallel.pipeline_parallel_size)
         if timeout_s is None:
             timeout_s = float(os.environ.get("SPMD_ENGINE_TIMEOUT_S", "300"))
+        cache = CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
+                            kv_cache_memory_bytes=kv_cache_memory_bytes,
+                            enable_prefix_caching=enable_prefix_caching)
+        scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                    enable_chunked_prefill=enable_chunked_prefill)
+        scheduler.resolve(self.max_model_len, block_size)
         self.config = EngineConfig(
-            model_config=model_config, parallel_config=parallel,
-            scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=self.max_model_len),
-            seed=seed, device=device or _default_device(), timeout_s=timeout_s,
+            model_config=model_config, parallel_config=parallel, scheduler_config=scheduler,
+            cache_config=cache, seed=seed, device=device or _default_device(), timeout_s=timeout_s,
         )
+        check_kv_budget_up_front(self.config, self.hf_config, spec)
         self.seed = seed
         self._next_request = 0
         self._engine = self._make_engine()
@@ -158,6 +168,21 @@ class LLM:
                 raise ConfigError(f"ranks {odd} passed different prompts or sampling params than rank "
                                   f"{group.ranks[0]}; every rank of a replica must pass the same")
 
+    # -- the KV cache ---------------------------------------------------------------
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (as vLLM: False while requests are running)."""
+        if hasattr(self._engine, "generate"):
+            return all(self._engine.call_core("reset_prefix_cache"))
+        return self._engine.reset_prefix_cache()
+
+    def get_stats(self) -> list[dict]:
+        """Per replica this process drives: scheduler and block counters (steps, preemptions,
+        peak_running, prefix_queries_tokens, prefix_hits_tokens, ...) and the output rank's
+        runner counters under "runner" (tokens, prefill_tokens: prompt tokens computed)."""
+        if hasattr(self._engine, "generate"):
+            return self._engine.call_core("get_stats")
+        return [self._engine.get_stats()]
+
     # -- workers ------------------------------------------------------------------
     def collective_rpc(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None,
                        unique_reply_rank: int | None = None) -> list[Any]:
@@ -191,6 +216,24 @@ class LLM:
             self.shutdown()
         except Exception:
             pass
+
+
+def check_kv_budget_up_front(config: EngineConfig, hf_config, spec) -> None:
+    """An explicit (or CPU default) KV budget too small for one sequence is a usage error,
+    found before any process starts; workers check again with their device's numbers."""
+    plan = front_end_kv_plan(config, hf_config, spec)
+    if plan.budget_bytes is not None:
+        kv_sizing.check_fits(plan.num_blocks, plan.block_size, config.scheduler_config.max_model_len,
+                             plan.bytes_per_token, plan.budget_bytes)
+
+
+def front_end_kv_plan(config: EngineConfig, hf_config, spec) -> "kv_sizing.KVPlan":
+    from spmd_engine.model.loader import resolve_dtype
+    pc = config.parallel_config
+    itemsize = resolve_dtype(config.model_config.dtype, hf_config, config.device).itemsize
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    procs = int(os.environ.get("LOCAL_WORLD_SIZE", pc.world_size * pc.data_parallel_size))
+    return kv_sizing.plan_kv(config, spec, itemsize, available, procs)
 
 
 class _OutputRelay:

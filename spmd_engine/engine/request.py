@@ -1,8 +1,8 @@
-"""A request's life in the engine, and the messages that describe one step.
+"""A request's life in the engine.
 
-The step messages are plain dataclasses of ints and lists: they cross the
-shared-memory queue to every worker each step, so they stay small (a decode
-step carries one token per sequence, sampling settings travel once).
+The step messages the scheduler sends to the model runner live in
+`spmd_engine.step_messages` (re-exported here for callers that import them
+from the engine).
 """
 
 from __future__ import annotations
@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from spmd_engine.sampling_params import SamplingParams
+from spmd_engine.step_messages import (  # noqa: F401  (re-exported)
+    EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, NewRequestData, ScheduledSeq, SchedulerOutput,
+)
 
 
 @dataclass
@@ -21,51 +24,25 @@ class Request:
     prompt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
-    slot: int | None = None
-    num_computed_tokens: int = 0
+    num_computed_tokens: int = 0  # tokens whose K/V are in this request's blocks
     finish_reason: str | None = None
+    num_preemptions: int = 0
+    # Chain hashes of this request's full blocks, computed once each (prefix caching).
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-
-@dataclass
-class NewRequestData:
-    """Sent once, when a request is first scheduled: what the sampler needs."""
-
-    request_id: str
-    params: SamplingParams
-    seed: int
-
-
-@dataclass
-class ScheduledSeq:
-    request_id: str
-    slot: int
-    token_ids: list[int]  # fed this step
-    context_len: int      # tokens already in this sequence's KV cache
-
-
-@dataclass
-class SchedulerOutput:
-    step: int
-    seqs: list[ScheduledSeq]
-    new_requests: list[NewRequestData]
-    finished_request_ids: list[str]
-
     @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.seqs)
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
 
-
-@dataclass
-class ModelRunnerOutput:
-    """The output rank's reply: one sampled token per scheduled sequence, in order."""
-
-    request_ids: list[str]
-    sampled_token_ids: list[int]
-    logprobs: list[dict[int, float] | None] | None = None
-
-
-EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput([], [], None)
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """Tokens [start, stop) of prompt + output, without building the whole list."""
+        p = len(self.prompt_token_ids)
+        if stop <= p:
+            return self.prompt_token_ids[start:stop]
+        if start >= p:
+            return self.output_token_ids[start - p:stop - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:stop - p]

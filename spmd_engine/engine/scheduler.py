@@ -1,32 +1,44 @@
-"""Deterministic continuous batching under a fixed KV budget.
+"""Deterministic continuous batching over a paged KV cache, with one token budget a step.
+
+As vLLM V1: there are no prefill and decode phases. Each step has a budget of
+`max_num_batched_tokens`; running requests are served first, in arrival
+order (a decode costs one token, an unfinished prompt the next chunk of it),
+then waiting requests are admitted while budget, `max_num_seqs` and free
+blocks allow, each starting after its longest cached prefix. A long prompt
+therefore enters in chunks beside the running decodes instead of stalling
+them. When a running request cannot get a block, the newest running request
+is preempted: its blocks are freed and it goes back to the front of the
+queue, to be recomputed (mostly from the prefix cache) when room returns.
 
 Every rank of a replica under external_launcher runs its own copy of this
-scheduler, so it must decide the same batches from the same inputs: no clocks,
-no hash-order iteration, slots handed out lowest first. A step either prefills
-newly admitted requests or decodes every running one; requests wait while all
-KV slots are taken and enter as others finish.
+scheduler, so it decides the same batches from the same inputs: no clocks,
+no hash-order iteration, sha256 block hashes.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-from spmd_engine.engine.request import (
-    ModelRunnerOutput, NewRequestData, Request, ScheduledSeq, SchedulerOutput,
-)
+from spmd_engine.config import SchedulerConfig
+from spmd_engine.engine.kv_cache_manager import KVCacheManager
+from spmd_engine.engine.request import Request
+from spmd_engine.step_messages import ModelRunnerOutput, NewRequestData, ScheduledSeq, SchedulerOutput
 
 
 class Scheduler:
-    def __init__(self, num_slots: int, max_model_len: int, eos_token_id: int | None,
-                 max_num_batched_tokens: int | None = None):
-        self.max_model_len = max_model_len
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, eos_token_id: int | None):
+        if config.max_model_len is None or config.max_num_batched_tokens is None:
+            raise ValueError("SchedulerConfig.resolve(max_model_len, block_size) first")
+        self.config = config
+        self.kv = kv
         self.eos_token_id = eos_token_id
-        self.max_num_batched_tokens = max_num_batched_tokens or max(2048, max_model_len)
-        self.free_slots = list(range(num_slots))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._known_to_runner: set[str] = set()
         self._finished_since_last_step: list[str] = []
         self._step = 0
+        self.stats = {"steps": 0, "preemptions": 0, "peak_running": 0,
+                      "prefix_queries_tokens": 0, "prefix_hits_tokens": 0}
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -34,44 +46,96 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    # -- one step -----------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         finished, self._finished_since_last_step = self._finished_since_last_step, []
         self._step += 1
-        admitted = self._admit()
-        if admitted:
-            seqs = [ScheduledSeq(r.request_id, r.slot, list(r.prompt_token_ids), 0) for r in admitted]
-            new = [NewRequestData(r.request_id, r.params, r.seed) for r in admitted]
-            return SchedulerOutput(self._step, seqs, new, finished)
-        seqs = [ScheduledSeq(r.request_id, r.slot, [r.output_token_ids[-1]], r.num_computed_tokens)
-                for r in self.running]
-        return SchedulerOutput(self._step, seqs, [], finished)
-
-    def _admit(self) -> list[Request]:
-        admitted: list[Request] = []
-        budget = self.max_num_batched_tokens
-        while self.waiting and self.free_slots:
-            need = len(self.waiting[0].prompt_token_ids)
-            if admitted and need > budget:
+        budget = self.config.max_num_batched_tokens
+        seqs: list[ScheduledSeq] = []
+        new: list[NewRequestData] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            added = self.kv.allocate_slots(request, n)
+            while added is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+                added = self.kv.allocate_slots(request, n)
+            if added is None:
                 break
-            request = self.waiting.popleft()
-            request.slot = self.free_slots.pop(0)
-            budget -= need
-            admitted.append(request)
-        self.running.extend(admitted)
-        return admitted
+            seqs.append(self._scheduled(request, n, added, new_block_table=False))
+            budget -= n
+            i += 1
+        if not preempted:
+            budget = self._admit(budget, seqs, new)
+        if not seqs and self.has_unfinished():
+            raise RuntimeError(
+                f"step {self._step}: nothing could be scheduled ({len(self.waiting)} waiting, "
+                f"{self.kv.num_free_blocks} free blocks): the KV cache is too small for one request"
+            )
+        self.stats["steps"] += 1
+        self.stats["peak_running"] = max(self.stats["peak_running"], len(self.running))
+        return SchedulerOutput(self._step, seqs, new, finished)
 
+    def _admit(self, budget: int, seqs: list[ScheduledSeq], new: list[NewRequestData]) -> int:
+        """Waiting requests in order, while the budget, max_num_seqs and free blocks allow."""
+        bs = self.kv.block_size
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hits = self.kv.get_computed_blocks(request)
+            computed = len(hits) * bs
+            n = request.num_tokens - computed
+            if n > budget and not self.config.enable_chunked_prefill:
+                break
+            n = min(n, budget)
+            added = self.kv.allocate_slots(request, n, hits)
+            if added is None:
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            self.stats["prefix_queries_tokens"] += request.num_tokens
+            self.stats["prefix_hits_tokens"] += computed
+            request.num_computed_tokens = computed
+            if request.request_id not in self._known_to_runner:
+                self._known_to_runner.add(request.request_id)
+                new.append(NewRequestData(request.request_id, request.params, request.seed,
+                                          request.num_prompt_tokens))
+            seqs.append(self._scheduled(request, n, added, new_block_table=True))
+            budget -= n
+        return budget
+
+    def _scheduled(self, request: Request, n: int, added: list[int], new_block_table: bool) -> ScheduledSeq:
+        start = request.num_computed_tokens
+        request.num_computed_tokens = start + n  # counted now, as vLLM: the step is in flight
+        return ScheduledSeq(request.request_id, request.token_slice(start, start + n), start, added,
+                            new_block_table, sample=start + n == request.num_tokens)
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute-style preemption: free everything, requeue at the front."""
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.stats["preemptions"] += 1
+        self.waiting.appendleft(request)
+
+    # -- results --------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, model_output: ModelRunnerOutput) -> list[Request]:
         """Append each sampled token; return the requests that finished this step."""
-        by_id = {r.request_id: r for r in self.running}
-        if model_output.request_ids != [s.request_id for s in out.seqs]:
+        sampling = [s.request_id for s in out.seqs if s.sample]
+        if model_output.request_ids != sampling:
             raise RuntimeError(
                 f"step {out.step}: the model replied for {model_output.request_ids}, "
-                f"scheduled {[s.request_id for s in out.seqs]}"
+                f"expected samples for {sampling}"
             )
+        by_id = {r.request_id: r for r in self.running}
         finished = []
-        for i, (seq, token) in enumerate(zip(out.seqs, model_output.sampled_token_ids)):
-            request = by_id[seq.request_id]
-            request.num_computed_tokens = seq.context_len + len(seq.token_ids)
+        for i, (rid, token) in enumerate(zip(model_output.request_ids, model_output.sampled_token_ids)):
+            request = by_id[rid]
             request.output_token_ids.append(int(token))
             if model_output.logprobs is not None and model_output.logprobs[i] is not None:
                 request.logprobs = (request.logprobs or []) + [model_output.logprobs[i]]
@@ -81,8 +145,8 @@ class Scheduler:
                 finished.append(request)
         for request in finished:
             self.running.remove(request)
-            self.free_slots.append(request.slot)
-            self.free_slots.sort()
+            self.kv.free(request)
+            self._known_to_runner.discard(request.request_id)
             self._finished_since_last_step.append(request.request_id)
         return finished
 
@@ -91,6 +155,15 @@ class Scheduler:
             return "stop"
         if len(request.output_token_ids) >= request.params.max_tokens:
             return "length"
-        if request.num_tokens >= self.max_model_len:
+        if request.num_tokens >= self.config.max_model_len:
             return "length"
         return None
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()
+
+    def get_stats(self) -> dict:
+        kv = self.kv
+        return {**self.stats, "running": len(self.running), "waiting": len(self.waiting),
+                "num_blocks": kv.pool.num_blocks, "free_blocks": kv.num_free_blocks,
+                "cached_blocks": kv.pool.num_cached_blocks, "block_size": kv.block_size}

@@ -94,11 +94,13 @@ class Executor(ABC):
         return self.collective_rpc("sample_tokens", (grammar_output,),
                                    unique_reply_rank=self.output_rank)[0]
 
-    def determine_num_kv_slots(self, max_num_seqs: int, max_model_len: int) -> int:
-        return min(self.collective_rpc("determine_num_kv_slots", (max_num_seqs, max_model_len)))
+    def determine_num_kv_blocks(self) -> tuple[int, int]:
+        """(blocks, KV bytes per token on the fullest rank): workers already agree on the blocks."""
+        replies = self.collective_rpc("determine_num_kv_blocks")
+        return min(b for b, _ in replies), max(t for _, t in replies)
 
-    def initialize_kv_cache(self, num_slots: int, max_model_len: int) -> None:
-        self.collective_rpc("initialize_kv_cache", (num_slots, max_model_len))
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.collective_rpc("initialize_kv_cache", (num_blocks,))
 
     def check_health(self) -> None:
         self.collective_rpc("check_health")

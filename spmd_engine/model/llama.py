@@ -55,14 +55,15 @@ class LlamaAttention(nn.Module):
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
                 attn: AttentionMetadata | None):
-        """`rope`: this step's (cos, sin) from the model's RotaryEmbedding."""
-        B, T = hidden.shape[:2]
+        """`rope`: this step's (cos, sin) from the model's RotaryEmbedding. `hidden` is
+        [N, H] packed tokens with `attn`, or [B, T, H] rows without (no cache)."""
+        lead = hidden.shape[:-1]
         qkv = self.qkv_proj(hidden)
         q_and_k = self.qkv_proj.q_size + self.qkv_proj.kv_size
         # q and k sit side by side in the fused output: rotate them in one pass.
-        qk = apply_rotary(qkv[..., :q_and_k].view(B, T, -1, self.head_dim), *rope)
-        q, k = qk.split([self.qkv_proj.num_heads_per_rank, self.qkv_proj.num_kv_heads_per_rank], dim=2)
-        v = qkv[..., q_and_k:].view(B, T, -1, self.head_dim)
+        qk = apply_rotary(qkv[..., :q_and_k].view(*lead, -1, self.head_dim), *rope)
+        q, k = qk.split([self.qkv_proj.num_heads_per_rank, self.qkv_proj.num_kv_heads_per_rank], dim=-2)
+        v = qkv[..., q_and_k:].view(*lead, -1, self.head_dim)
         return self.o_proj(self.attn(q, k, v, attn))
 
 
@@ -151,24 +152,45 @@ class CausalLM(nn.Module):
     def _attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers.values()]
 
-    def kv_cache_bytes(self, num_slots: int, max_model_len: int) -> int:
-        per_layer = 2 * num_slots * self.num_kv_heads_per_rank * max_model_len * self.spec.head_dim
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token in every layer of this stage, this rank's heads."""
+        per_layer = 2 * self.num_kv_heads_per_rank * self.spec.head_dim
         return per_layer * len(self.model.layers) * self.dtype.itemsize
 
-    def allocate_kv_cache(self, num_slots: int, max_model_len: int) -> None:
-        """Per layer K and V: [num_slots, kv_heads_per_rank, max_model_len, head_dim], zeroed."""
+    def check_max_model_len(self, max_model_len: int) -> None:
         window = self.spec.sliding_window
         if window is not None and max_model_len > window:
             raise ConfigError(
                 f"max_model_len {max_model_len} exceeds this model's sliding_window {window}; "
                 f"sliding-window attention is not implemented, use --max-model-len <= {window}"
             )
-        for attention in self._attention_layers():
-            attention.allocate_kv_cache(num_slots, max_model_len, self.dtype, self.device)
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
+        return (num_blocks, block_size, self.num_kv_heads_per_rank, self.spec.head_dim)
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, zeros=torch.zeros) -> None:
+        """Zeroed K and V blocks for every layer of this stage, bound to the layers."""
+        shape = self.kv_cache_shape(num_blocks, block_size)
+        self.bind_kv_cache([(zeros(shape, dtype=self.dtype, device=self.device),
+                             zeros(shape, dtype=self.dtype, device=self.device)) for _ in self._attention_layers()])
+
+    def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(a.k_cache, a.v_cache) for a in self._attention_layers()]
+
+    def bind_kv_cache(self, caches: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:
+        """Give each layer its (K, V) block tensors, in layer order; None drops them."""
+        layers = self._attention_layers()
+        if caches is None:
+            caches = [(None, None)] * len(layers)
+        if len(caches) != len(layers):
+            raise ValueError(f"{len(caches)} caches for {len(layers)} layers")
+        for attention, (k, v) in zip(layers, caches):
+            attention.set_kv_cache(k, v)
 
     # ---- compute ----
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, attn: AttentionMetadata | None,
                 intermediate: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Packed tokens [N] (ids and positions) with `attn`; [B, T] rows without a cache."""
         if self.is_first_stage:
             hidden, residual = self.model.embed_tokens(input_ids), None
         else:

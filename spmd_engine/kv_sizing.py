@@ -1,0 +1,119 @@
+"""How many KV cache blocks a rank gets: pure arithmetic, shared by the workers and the front end.
+
+The front end runs it before any process starts (an explicit or CPU budget
+too small for one sequence is a usage error, exit 2); each worker runs it
+again with its device's real numbers, and the replica (under
+external_launcher, the whole launched world) takes the minimum, so every
+scheduler copy manages the same number of blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from spmd_engine.config import CacheConfig, ConfigError, EngineConfig
+
+GiB = 1 << 30
+CPU_DEFAULT_CAP = 4 * GiB
+CPU_DEFAULT_FRACTION = 0.4  # of available host memory, shared by the processes on the host
+CUDA_RESERVE_BYTES = 256 << 20  # CUDA context, allocator slack, collectives
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads_per_rank: int, head_dim: int, itemsize: int) -> int:
+    """K and V of one token across a stage's layers, on one rank."""
+    return 2 * num_layers * num_kv_heads_per_rank * head_dim * itemsize
+
+
+def cpu_budget(cache: CacheConfig, available_bytes: int, procs_on_host: int) -> int:
+    if cache.kv_cache_memory_bytes is not None:
+        return cache.kv_cache_memory_bytes
+    return int(min(CPU_DEFAULT_CAP, CPU_DEFAULT_FRACTION * available_bytes / max(1, procs_on_host)))
+
+
+def cuda_budget(cache: CacheConfig, total_bytes: int, free_bytes: int, activation_bytes: int) -> int:
+    """gpu_memory_utilization of the device, less what is already in use (weights, other
+    processes) and a reserve for one step's activations."""
+    if cache.kv_cache_memory_bytes is not None:
+        return cache.kv_cache_memory_bytes
+    in_use = total_bytes - free_bytes
+    return int(cache.gpu_memory_utilization * total_bytes) - in_use - activation_bytes - CUDA_RESERVE_BYTES
+
+
+def activation_bytes(max_num_batched_tokens: int, hidden_size: int, intermediate_per_rank: int,
+                     vocab_per_rank: int, max_num_seqs: int, itemsize: int) -> int:
+    """A step's largest live activations, estimated: the residual stream and a few hidden-sized
+    temporaries per token, the MLP's gate/up product, and fp32 logits for the sampled rows."""
+    per_token = (6 * hidden_size + 3 * intermediate_per_rank) * itemsize
+    return max_num_batched_tokens * per_token + max_num_seqs * vocab_per_rank * 4 * 2
+
+
+def num_blocks_for(budget_bytes: int, block_size: int, bytes_per_token: int) -> int:
+    return max(0, budget_bytes) // (block_size * max(1, bytes_per_token))
+
+
+def check_fits(num_blocks: int, block_size: int, max_model_len: int, bytes_per_token: int,
+               budget_bytes: int) -> None:
+    """One max_model_len sequence must fit, or nothing could ever finish."""
+    if num_blocks * block_size < max_model_len:
+        need = -(-max_model_len // block_size) * block_size * bytes_per_token
+        raise ConfigError(
+            f"KV cache budget {budget_bytes} bytes per rank holds {num_blocks} blocks of {block_size} tokens "
+            f"= {num_blocks * block_size} tokens, fewer than max_model_len {max_model_len} "
+            f"({bytes_per_token} bytes per token; one sequence needs {need} bytes): raise "
+            f"--kv-cache-memory-bytes or --gpu-memory-utilization, or lower --max-model-len"
+        )
+
+
+def describe(num_blocks: int, block_size: int, bytes_per_token: int) -> str:
+    tokens = num_blocks * block_size
+    return (f"KV cache: {num_blocks} blocks of {block_size} tokens = {tokens} tokens, "
+            f"{tokens * bytes_per_token / GiB:.3f} GiB per rank")
+
+
+@dataclass
+class KVPlan:
+    """The KV cache a launch will get per rank, as far as it is known before any process starts."""
+
+    bytes_per_token: int  # on the rank with the most layers
+    budget_bytes: int | None  # None: known only on the device (CUDA without an explicit budget)
+    block_size: int
+    source: str
+
+    @property
+    def num_blocks(self) -> int | None:
+        if self.budget_bytes is None:
+            return None
+        return num_blocks_for(self.budget_bytes, self.block_size, self.bytes_per_token)
+
+    def describe(self, max_model_len: int) -> str:
+        head = f"KV cache: {self.bytes_per_token} bytes per token per rank"
+        if self.num_blocks is None:
+            return f"{head}; budget {self.source}"
+        tokens = self.num_blocks * self.block_size
+        if tokens < max_model_len:
+            return (f"{head}; budget {self.budget_bytes} bytes per rank ({self.source}) = {tokens} tokens: "
+                    f"too small for one sequence of max_model_len {max_model_len}")
+        return (f"{head}; budget {self.budget_bytes / GiB:.3f} GiB per rank ({self.source}) = {self.num_blocks} "
+                f"blocks of {self.block_size} tokens = {tokens} tokens = {tokens // max_model_len} sequences "
+                f"of max_model_len {max_model_len}")
+
+
+def plan_kv(config: EngineConfig, spec, itemsize: int, available_bytes: int, procs_on_host: int) -> KVPlan:
+    """From the model's shape and the layout: bytes per token on the fullest stage, and the
+    budget when it does not depend on a device (explicit, or the CPU default on this host)."""
+    from spmd_engine.model.partition import pp_layer_range
+    pc, cache = config.parallel_config, config.cache_config
+    tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
+    layers = max(b - a for a, b in (pp_layer_range(spec.num_layers, r, pp, config.model_config.pp_partition)
+                                    for r in range(pp)))
+    kv_heads = 1 if tp > spec.num_kv_heads else spec.num_kv_heads // tp  # TP > KV heads replicates them
+    per_token = kv_bytes_per_token(layers, kv_heads, spec.head_dim, itemsize)
+    if cache.kv_cache_memory_bytes is not None:
+        return KVPlan(per_token, cache.kv_cache_memory_bytes, cache.block_size, "--kv-cache-memory-bytes")
+    if config.device != "cpu":
+        return KVPlan(per_token, None, cache.block_size,
+                      f"{cache.gpu_memory_utilization:g} of each GPU less weights and activations, "
+                      f"measured on the device")
+    budget = cpu_budget(cache, available_bytes, procs_on_host)
+    return KVPlan(per_token, budget, cache.block_size,
+                  f"CPU default: min(4 GiB, 40% of available memory / {procs_on_host} processes)")

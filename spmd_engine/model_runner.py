@@ -1,0 +1,166 @@
+"""What one rank does each step: its model shard, its KV cache, inputs, forward, sampling.
+
+The worker (device, groups, RPC surface) owns one ModelRunner. The runner keeps
+what persists between steps on this rank: each running request's block table
+and prompt length, the sampler's per-request streams, and the KV cache
+tensors. Each SchedulerOutput is turned into packed inputs (every request's
+new tokens back to back, no padding), attention metadata built once for all
+layers, one forward of this PP stage, and on the last stage the logits of the
+rows that sample.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from spmd_engine import kv_sizing
+from spmd_engine.config import EngineConfig
+from spmd_engine.sampler import Sampler
+from spmd_engine.step_messages import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger("spmd_engine")
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, device: torch.device, tp_group, pp_group,
+                 broadcast_sampled_tokens: bool = False):
+        self.config = config
+        self.device = device
+        self.tp_group = tp_group
+        self.pp_group = pp_group
+        self.broadcast_sampled_tokens = broadcast_sampled_tokens
+        self.model = None
+        self.sampler = Sampler()
+        self.block_size = config.cache_config.block_size
+        self.num_blocks = 0
+        self.block_tables: dict[str, list[int]] = {}
+        self.prompt_lens: dict[str, int] = {}
+        self._pending: tuple[list[str], torch.Tensor | None] | None = None
+        self.stats = {"steps": 0, "tokens": 0, "prefill_tokens": 0, "sampled": 0}
+
+    # -- start-up ---------------------------------------------------------------
+    def load_model(self) -> None:
+        from spmd_engine.model.loader import load_model
+        from spmd_engine.model.packed_weights import pack_linear_weights, packing_applies
+        mc = self.config.model_config
+        self.model = load_model(mc.model_dir, self.tp_group, self.pp_group, dtype=mc.dtype,
+                                device=self.device, pp_partition=mc.pp_partition)
+        if packing_applies(self.model.dtype, self.device):
+            packed = pack_linear_weights(self.model, batch_hint=self.config.scheduler_config.max_num_seqs)
+            logger.debug("%d linear weights packed for oneDNN", packed)
+
+    def kv_budget_bytes(self) -> int:
+        """This rank's KV budget from its device's memory (kv_sizing's rules)."""
+        cache, sc = self.config.cache_config, self.config.scheduler_config
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            spec, tp = self.model.spec, self.tp_group.world_size
+            act = kv_sizing.activation_bytes(sc.max_num_batched_tokens or 8192, spec.hidden_size,
+                                             spec.intermediate_size // tp, -(-spec.vocab_size // tp),
+                                             sc.max_num_seqs, self.model.dtype.itemsize)
+            return kv_sizing.cuda_budget(cache, total, free, act)
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        pc = self.config.parallel_config
+        procs = int(os.environ.get("LOCAL_WORLD_SIZE", pc.world_size * pc.data_parallel_size))
+        return kv_sizing.cpu_budget(cache, available, procs)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Per layer K and V blocks, zeroed (unwritten slots are read under a mask: they must be
+        finite). On CPU the zeros come from calloc, so untouched blocks cost no resident memory."""
+        self.model.check_max_model_len(self.config.scheduler_config.max_model_len)
+        self.model.allocate_kv_cache(num_blocks, self.block_size, zeros=_zeros)
+        self.num_blocks = num_blocks
+
+    def release_kv_cache(self) -> None:
+        self.model.bind_kv_cache(None)
+        self.num_blocks = 0
+
+    # -- every step ----------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run this rank's stage. None means: ask sample_tokens for the result."""
+        for rid in out.finished_request_ids:
+            self.sampler.remove_request(rid)
+            self.block_tables.pop(rid, None)
+            self.prompt_lens.pop(rid, None)
+        for new in out.new_requests:
+            self.sampler.add_request(new.request_id, new.params, new.seed)
+            self.prompt_lens[new.request_id] = new.num_prompt_tokens
+        if not out.seqs:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        input_ids, positions, attn, sample_index = self._prepare_inputs(out)
+        intermediate = None
+        if not self.pp_group.is_first_rank:
+            intermediate = self.pp_group.recv_tensor_dict()
+        hidden = self.model.forward(input_ids if self.pp_group.is_first_rank else None,
+                                    positions, attn, intermediate)
+        sampling = [s.request_id for s in out.seqs if s.sample]
+        if not self.pp_group.is_last_rank:
+            self.pp_group.send_tensor_dict(hidden)
+            self._pending = (sampling, None)
+            return None
+        logits = self.model.compute_logits(hidden["hidden_states"][sample_index]) if sampling else None
+        self._pending = (sampling, logits)
+        return None
+
+    def _prepare_inputs(self, out: SchedulerOutput):
+        from spmd_engine.model.attention import AttentionMetadata
+        context, lens, tables = [], [], []
+        prefill = 0
+        for s in out.seqs:
+            if s.new_block_table:
+                table = self.block_tables[s.request_id] = list(s.block_ids)
+            else:
+                table = self.block_tables[s.request_id]
+                table.extend(s.block_ids)
+            n = len(s.token_ids)
+            context.append(s.context_len)
+            lens.append(n)
+            tables.append(table)
+            prefill += max(0, min(s.context_len + n, self.prompt_lens.get(s.request_id, 0)) - s.context_len)
+        attn = AttentionMetadata.build(context, lens, tables, self.block_size, self.device)
+        ids = attn.pack([s.token_ids for s in out.seqs])
+        # The last token of each sampling request, in schedule order, wherever packing put it.
+        sample_index = [attn.row_start[i] + lens[i] - 1 for i, s in enumerate(out.seqs) if s.sample]
+        self.stats["steps"] += 1
+        self.stats["tokens"] += len(ids)
+        self.stats["prefill_tokens"] += prefill
+        self.stats["sampled"] += len(sample_index)
+        input_ids = torch.tensor(ids, dtype=torch.long).to(self.device)
+        return input_ids, attn.positions, attn, torch.tensor(sample_index, dtype=torch.long).to(self.device)
+
+    @torch.inference_mode()
+    def sample_tokens(self, grammar_output=None) -> ModelRunnerOutput | None:
+        if self._pending is None:
+            return None
+        request_ids, logits = self._pending
+        self._pending = None
+        result = None
+        if self.pp_group.is_last_rank:
+            if request_ids:
+                tokens, logprobs = self.sampler.sample(request_ids, logits.float().cpu())
+            else:
+                tokens, logprobs = [], None
+            result = ModelRunnerOutput(request_ids, tokens, logprobs)
+        if self.broadcast_sampled_tokens and self.pp_group.world_size > 1:
+            result = self.pp_group.broadcast_object(result, src=self.pp_group.world_size - 1)
+        return result
+
+    def get_stats(self) -> dict:
+        """Tokens this rank computed: all of them, those of prompts (prefix hits excluded), steps."""
+        return dict(self.stats, num_blocks=self.num_blocks, block_size=self.block_size)
+
+
+def _zeros(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    device = torch.device(device)
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import numpy as np
+    nbytes = dtype.itemsize
+    for d in shape:
+        nbytes *= d
+    # np.zeros of a large array is calloc: the kernel hands out zero pages on first touch.
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)

@@ -1,0 +1,70 @@
+"""The messages of one engine step: scheduler -> model runner, and back.
+
+Both the engine (scheduler) and the model runner import this module, and
+nothing else of each other. The messages are plain dataclasses of ints and
+lists: under mp they cross the shared-memory queue to every worker each step,
+so they stay small. A request's sampling settings and prompt length travel once
+(NewRequestData); its block table travels as the blocks it gains each step
+(the whole table only when it is first scheduled or resumed after preemption).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from spmd_engine.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """Sent once, when a request is first scheduled: what the runner keeps about it."""
+
+    request_id: str
+    params: SamplingParams
+    seed: int
+    num_prompt_tokens: int
+
+
+@dataclass
+class ScheduledSeq:
+    """One request's share of a step.
+
+    `token_ids` are computed this step, at positions context_len ...
+    context_len + len(token_ids) - 1 (context_len tokens of this request are
+    already in the KV cache, computed earlier or found in the prefix cache).
+    `block_ids` extend the request's block table, or replace it when
+    `new_block_table` (first schedule, or resumed after preemption). `sample`:
+    this step reaches the end of the known tokens, so a new token is sampled;
+    a prompt chunk that does not finish its prompt samples nothing.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    context_len: int
+    block_ids: list[int]
+    new_block_table: bool
+    sample: bool
+
+
+@dataclass
+class SchedulerOutput:
+    step: int
+    seqs: list[ScheduledSeq]
+    new_requests: list[NewRequestData]
+    finished_request_ids: list[str]
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """The output rank's reply: one sampled token per sampling sequence, in schedule order."""
+
+    request_ids: list[str]
+    sampled_token_ids: list[int]
+    logprobs: list[dict[int, float] | None] | None = None
+
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput([], [], None)
