@@ -35,11 +35,47 @@ def set_process_title(name: str) -> None:
     _prctl(PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]))
 
 
-def die_with_parent(expected_parent: int | None = None) -> None:
-    """SIGKILL this process when its parent dies, so no worker outlives its engine."""
-    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if expected_parent is not None and os.getppid() != expected_parent:
-        os._exit(1)  # the parent died before prctl took effect
+def die_with_parent(expected_parent: int | None = None, parent_main_thread: bool = False) -> None:
+    """End this process when the parent *process* dies, so no worker outlives its engine.
+
+    PR_SET_PDEATHSIG fires when the parent *thread* that created us exits, not the
+    process: an LLM built in a short-lived thread would lose its workers when that
+    thread ends. So the kernel signal is only asked for when the parent created us
+    from its main thread (which lives as long as the process); in every case a
+    watcher thread waits on a pidfd of the parent process (readable once every
+    thread of it has exited), or polls getppid() where pidfds are missing, and
+    SIGKILLs this process.
+    """
+    if expected_parent is None:
+        expected_parent = os.getppid()
+    if parent_main_thread:
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    pidfd = None
+    try:
+        pidfd = os.pidfd_open(expected_parent)
+    except (AttributeError, OSError):
+        pass
+    if os.getppid() != expected_parent:
+        os._exit(1)  # the parent died before we started watching it
+    import threading
+    threading.Thread(target=_watch_parent, args=(expected_parent, pidfd), daemon=True,
+                     name="parent-watch").start()
+
+
+def _watch_parent(parent: int, pidfd: int | None) -> None:
+    import select
+    import time
+    if pidfd is not None:
+        select.select([pidfd], [], [])  # readable when the whole parent process has exited
+    else:
+        while os.getppid() == parent:
+            time.sleep(0.2)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def created_from_main_thread() -> bool:
+    import threading
+    return threading.current_thread() is threading.main_thread()
 
 
 def mp_context():

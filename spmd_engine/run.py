@@ -8,7 +8,6 @@ a launcher, LLM does the same with its own processes (mp) or in this one (uni).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -20,6 +19,7 @@ from spmd_engine.cli_args import (
     EXIT_USAGE, UsageParser, add_cache_args, add_parallel_args, cache_kwargs_from_args, check_cache_args,
 )
 from spmd_engine.config import DEFAULT_MAX_NUM_SEQS, DTYPES, ConfigError
+from spmd_engine.output_parts import PartWriter, index_parts, job_identity, merge_parts, restarted
 from spmd_engine.prompts import PromptInput, load_prompts
 from spmd_engine.sampling_params import SamplingParams
 from spmd_engine.topology import TopologyError
@@ -50,7 +50,10 @@ def build_parser() -> UsageParser:
     add_cache_args(p)
     p.add_argument("--pp-partition", default=None, metavar="3,3,2",
                    help="layers per PP stage (default: vLLM's even split)")
-    p.add_argument("--output", default=None, metavar="FILE.jsonl")
+    p.add_argument("--output", default=None, metavar="FILE.jsonl",
+                   help="results, in input order; streamed to FILE.jsonl.part-* while the run goes")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an interrupted --output run: skip prompts its part files already hold")
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                    help="limit for every collective and worker call (default: SPMD_ENGINE_TIMEOUT_S or 300)")
     p.add_argument("--quiet", action="store_true", help="no logs or progress")
@@ -155,17 +158,22 @@ def progress_wanted(args) -> bool:
 
 
 def generate_records(llm, prompts: list[PromptInput], params: SamplingParams, indices: list[int],
-                     progress: Progress | None = None) -> list[dict]:
+                     progress: Progress | None = None, sink=None) -> list[dict]:
     """Generate for a share of the prompts, seeding each by its global index (a replica's
-    share can be empty: fewer prompts than replicas)."""
+    share can be empty: fewer prompts than replicas). `sink.append(record)` gets each
+    record as soon as its request finishes (the part file)."""
     if not indices:
         return []
     from dataclasses import replace
 
     from spmd_engine.engine.llm import request_seed
     per_prompt = [replace(params, seed=request_seed(llm.seed, i)) for i in indices]
+    on_output = None
+    if sink is not None:
+        def on_output(position, out):
+            sink.append(result_record(indices[position], prompts[indices[position]], out))
     outs = llm.generate([prompts[i].as_llm_input() for i in indices], per_prompt,
-                        progress=progress.update if progress is not None else None)
+                        progress=progress.update if progress is not None else None, on_output=on_output)
     return [result_record(i, prompts[i], out) for i, out in zip(indices, outs)]
 
 
@@ -219,10 +227,9 @@ def log_engine_stats(llm, first_replica: int = 0) -> None:
                     s["runner"]["prefill_tokens"], s["num_blocks"])
 
 
-def run_launched(args, prompts, params) -> list[dict] | None:
-    """Under torchrun/srun: this replica's share, gathered to global rank 0."""
-    import torch.distributed as dist
-
+def run_launched(args, prompts, params, todo: list[int], ident: dict | None) -> list[dict] | None:
+    """Under torchrun/srun: this replica's share of `todo`, streamed to its part file (with
+    --output) and merged by global rank 0, or gathered to global rank 0 and returned."""
     from spmd_engine.distributed import init_distributed_environment
     init_distributed_environment(timeout_s=args.timeout)
     check_same_invocation(args, prompts)
@@ -235,52 +242,110 @@ def run_launched(args, prompts, params) -> list[dict] | None:
         layout = topology.Layout.for_world(world.world_size, tp=pc.tensor_parallel_size,
                                            pp=pc.pipeline_parallel_size, dp=pc.data_parallel_size)
         replica = llm.replica_index
-        indices = list(range(replica, len(prompts), layout.num_replicas))
+        indices = todo[replica::layout.num_replicas]
         progress = None
         if progress_wanted(args):
             label = f" (replica 0 of {layout.num_replicas})" if layout.num_replicas > 1 else ""
             progress = Progress(len(indices), label)
-        records = generate_records(llm, prompts, params, indices, progress=progress)
-        is_replica_head = world.rank % layout.world_size == 0
-        if is_replica_head:
+        is_head = world.rank % layout.world_size == 0
+        heads = list(range(0, world.world_size, layout.world_size))
+        if args.output is None:
+            records = generate_records(llm, prompts, params, indices, progress=progress)
+            if is_head:
+                log_engine_stats(llm, first_replica=replica)
+            return gather_records(records, world.rank, is_head, heads)
+        writer = PartWriter(args.output, ident, replica) if is_head else None
+        try:
+            generate_records(llm, prompts, params, indices, progress=progress, sink=writer)
+        finally:
+            if writer is not None:
+                writer.close()
+        if is_head:
             log_engine_stats(llm, first_replica=replica)
-        gathered = [None] * world.world_size if world.rank == 0 else None
-        dist.gather_object(records if is_replica_head else None, gathered, dst=0, group=world.cpu_group)
-        if world.rank != 0:
-            return None
-        merged = [r for part in gathered if part for r in part]
-        return sorted(merged, key=lambda r: r["index"])
+        gather_records([], world.rank, is_head, heads)  # every part is complete: rank 0 merges
+        if world.rank == 0:
+            merge_parts(args.output, ident, len(prompts))
+        return None
     finally:
         llm.shutdown()
 
 
-def run_local(args, prompts, params) -> list[dict]:
+def gather_records(records: list[dict], rank: int, is_replica_head: bool, heads: list[int]) -> list[dict] | None:
+    """Every replica head's records to global rank 0, through the launcher's store.
+
+    Not a collective: a collective runs under the hang timeout, and replicas that
+    finish more than --timeout apart are merely uneven, not hung. Rank 0 polls the
+    store with no deadline; a replica that died instead still ends the job (torchrun
+    and srun --kill-on-bad-exit stop every rank when one fails).
+    """
+    import pickle
+
+    from torch.distributed.distributed_c10d import _get_default_store
+    store = _get_default_store()
+    key = "spmd_engine/results/{}".format
+    if is_replica_head:
+        store.set(key(rank), pickle.dumps(records))
+    if rank != 0:
+        return None
+    keys = [key(r) for r in heads]
+    while not store.check(keys):
+        time.sleep(0.1)
+    merged = [r for k in keys for r in pickle.loads(store.get(k))]
+    return sorted(merged, key=lambda r: r["index"])
+
+
+def run_local(args, prompts, params, todo: list[int], ident: dict | None) -> list[dict] | None:
     llm = llm_from_args(args)
     try:
-        progress = Progress(len(prompts)) if progress_wanted(args) else None
-        records = generate_records(llm, prompts, params, list(range(len(prompts))), progress=progress)
+        progress = Progress(len(todo)) if progress_wanted(args) else None
+        if args.output is None:
+            records = generate_records(llm, prompts, params, todo, progress=progress)
+            log_engine_stats(llm)
+            return records
+        writer = PartWriter(args.output, ident, 0)
+        try:
+            generate_records(llm, prompts, params, todo, progress=progress, sink=writer)
+        finally:
+            writer.close()
         log_engine_stats(llm)
-        return records
     finally:
         llm.shutdown()
+    merge_parts(args.output, ident, len(prompts))
+    return None
 
 
-def write_records(records: list[dict], path: str | None) -> None:
-    if path is None:
-        for r in records:
-            header = f"=== prompt {r['index']} ({r['finish_reason']}, {len(r['token_ids'])} tokens)"
-            print(header)
-            print((r["prompt"] or "") + r["text"], flush=True)
-        return
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            for r in records:
-                f.write(json.dumps(r, ensure_ascii=False) + "\n")
-        os.replace(tmp, path)  # readers see the whole file or none
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+def prompts_to_do(args, prompts: list[PromptInput]) -> tuple[list[int], dict | None]:
+    """Which prompts this run generates: all, or (resuming) those no part file holds yet.
+
+    Every rank reads the parts before any group exists, and no writer opens its part
+    before the groups are built (a world-wide collective), so every rank sees the same.
+    """
+    if args.output is None:
+        if args.resume:
+            raise ConfigError("--resume needs --output: it continues that file's part files")
+        return list(range(len(prompts))), None
+    ident = job_identity(args, prompts)
+    index = index_parts(args.output, ident)
+    if not index.parts:
+        return list(range(len(prompts))), ident
+    why = "--resume" if args.resume else restarted()
+    if why is None:
+        raise ConfigError(f"--output {args.output}: {len(index.parts)} part files of an interrupted run "
+                          f"are there ({len(index.locations)} records); pass --resume to continue it, "
+                          f"or delete {args.output}.part-*")
+    todo = [i for i in range(len(prompts)) if i not in index.locations]
+    logger.info("resuming (%s): %d of %d prompts done in %d part files, %d to go", why,
+                len(index.locations), len(prompts), len(index.parts), len(todo))
+    return todo, ident
+
+
+def print_records(records: list[dict]) -> None:
+    """Without --output: every result on stdout, in input order (with --output the part
+    files are merged into the file instead; see spmd_engine.output_parts)."""
+    for r in records:
+        header = f"=== prompt {r['index']} ({r['finish_reason']}, {len(r['token_ids'])} tokens)"
+        print(header)
+        print((r["prompt"] or "") + r["text"], flush=True)
 
 
 def _global_rank() -> int:
@@ -321,12 +386,13 @@ def main(argv: list[str] | None = None) -> int:
         prompts = load_prompts(args.prompt, args.prompts_file)
         params = sampling_params_from_args(args)
         check_model_and_prompts(args, prompts)
+        todo, ident = prompts_to_do(args, prompts)
         if _launched() and args.distributed_executor_backend in (None, "external_launcher"):
             args.distributed_executor_backend = "external_launcher"
             check_launched_world(args)
-            records = run_launched(args, prompts, params)
+            records = run_launched(args, prompts, params, todo, ident)
         else:
-            records = run_local(args, prompts, params)
+            records = run_local(args, prompts, params, todo, ident)
     except (ConfigError, TopologyError) as exc:
         if rank0:
             print(f"error: {exc}", file=sys.stderr)
@@ -339,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         _record_for_torchrun(exc)
         return EXIT_RUNTIME
     if records is not None:
-        write_records(records, args.output)
+        print_records(records)
     return 0
 
 

@@ -45,7 +45,7 @@ for rank in range(ntasks):
     task_env = dict(env, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank % per_node), SLURM_NODEID=str(node),
                     SLURM_NTASKS=str(ntasks), SLURM_NPROCS=str(ntasks), SLURM_STEP_NUM_TASKS=str(ntasks),
                     SLURM_STEP_NUM_NODES=str(nodes), SLURM_NNODES=str(nodes),
-                    SLURM_TASKS_PER_NODE=f"{{per_node}}(x{{nodes}})", SLURM_STEP_ID="0",
+                    SLURM_TASKS_PER_NODE=f"{{per_node}}(x{{nodes}})", SLURM_STEP_ID=env.get("FAKE_SLURM_STEP_ID", "0"),
                     SLURMD_NODENAME=hosts[node], SLURM_STEP_NODELIST=env["SLURM_JOB_NODELIST"])
     procs.append(subprocess.Popen(argv, env=task_env))
 

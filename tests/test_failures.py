@@ -79,10 +79,11 @@ def test_other_dp_replicas_finish_when_one_loses_a_worker():
         kill_later(pids[2], 1.0, record)
         with pytest.raises(EngineDeadError, match="EngineCore_DP1") as err:
             llm.generate(prompts, LONG)
+        # Issue 15: the healthy replica is stopped too (fail fast, tests/test_dp_fail_fast.py);
+        # what it had finished before the fault is kept, whole.
         partial = err.value.partial_outputs
         assert partial[1] is None and partial[3] is None
-        assert partial[0].outputs[0].text.startswith(" better than ugly.\nExplicit is")
-        assert partial[2].outputs[0].finish_reason == "stop"
+        assert all(p is None or p.outputs[0].finish_reason is not None for p in partial)
     finally:
         llm.shutdown()
     assert not any(pid_alive(p) for p in pids)
@@ -191,7 +192,8 @@ def test_signal_stops_cleanly_with_no_partial_output(tmp_path, signum, code):
         while tagged_pids(tag) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not tagged_pids(tag)
-        assert list(tmp_path.iterdir()) == []  # neither the file nor a temporary
+        # Neither the file nor a temporary; the streamed part file stays for --resume (issue 15).
+        assert [p for p in tmp_path.iterdir() if ".part-" not in p.name] == []
     finally:
         if proc.poll() is None:
             proc.kill()

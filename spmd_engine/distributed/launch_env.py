@@ -2,9 +2,10 @@
 
 torchrun exports RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT.
 `srun` without torchrun exports only SLURM_* variables, so we derive the same
-facts from those: the master host is the first node of the job's nodelist
+facts from those: the master host is the first node of the *step's* nodelist
 (parsed here, since `scontrol` may be missing on compute nodes) and the port
-comes from the job id, so two jobs sharing a node do not collide. Everything
+comes from the job id and the step id, so two jobs sharing a node, and two srun
+steps running at once in one allocation, do not collide. Everything
 here is a pure function of the mapping passed in, so it is tested without
 processes.
 """
@@ -93,10 +94,16 @@ def expand_nodelist(nodelist: str) -> list[str]:
     return hosts
 
 
-def port_from_job_id(job_id: str) -> int:
-    """A port every task of one job derives alike, different across most jobs."""
+def port_from_job_id(job_id: str, step_id: str | None = None) -> int:
+    """A port every task of one srun step derives alike, different across most jobs and
+    across the steps of one job. Step 0 (or no step) keeps 15000 + job id % 15000."""
     key = int(job_id) if job_id.isdigit() else zlib.crc32(job_id.encode())
+    if step_id:
+        key += STEP_STRIDE * (int(step_id) if step_id.isdigit() else zlib.crc32(step_id.encode()))
     return PORT_BASE + key % PORT_SPAN
+
+
+STEP_STRIDE = 7919  # steps 0, 1, 2 of a job land far apart, not on the next jobs' ports
 
 
 def _tasks_on_node(tasks_per_node: str, node_rank: int) -> int | None:
@@ -138,7 +145,8 @@ def _from_slurm(environ: Mapping[str, str]) -> LaunchEnv:
         local_world = max(1, world // max(1, nnodes))
     master_addr = environ.get("MASTER_ADDR")
     if not master_addr:
-        nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+        nodelist = (environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
+                    or environ.get("SLURM_NODELIST"))
         if not nodelist:
             raise ConfigError("SLURM launch without MASTER_ADDR or SLURM_JOB_NODELIST: "
                               "cannot tell which host serves the rendezvous")
@@ -146,7 +154,7 @@ def _from_slurm(environ: Mapping[str, str]) -> LaunchEnv:
     if environ.get("MASTER_PORT"):
         master_port = _int(environ, "MASTER_PORT")
     elif environ.get("SLURM_JOB_ID"):
-        master_port = port_from_job_id(environ["SLURM_JOB_ID"])
+        master_port = port_from_job_id(environ["SLURM_JOB_ID"], environ.get("SLURM_STEP_ID"))
     else:
         raise ConfigError("SLURM launch without MASTER_PORT or SLURM_JOB_ID: "
                           "cannot choose a rendezvous port")
@@ -181,3 +189,22 @@ def read_launch_env(environ: Mapping[str, str]) -> LaunchEnv | None:
     if env.world_size < 1 or not 0 <= env.rank < env.world_size:
         raise ConfigError(f"{env.source} launch: rank {env.rank} is outside world size {env.world_size}")
     return env
+
+
+def nccl_env_defaults(environ: Mapping[str, str], timeout_s: float) -> dict[str, str]:
+    """NCCL watchdog settings so a hang still ends the job; a value the user set is kept.
+
+    The collective timeout is enforced by NCCL's watchdog thread, not by the call:
+    with async error handling on, a collective that exceeds it tears the process
+    down (exit, so torchrun / srun end the rest) instead of leaving the rank stuck
+    forever in a kernel. The heartbeat monitor kills a process whose watchdog itself
+    is stuck (e.g. inside a CUDA call), after HEARTBEAT_TIMEOUT_SEC. Neither can see
+    a hang that is not a timed-out NCCL collective (an infinite loop in Python on
+    one rank shows up as its peers' collective timing out).
+    """
+    wanted = {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "TORCH_NCCL_ENABLE_MONITORING": "1",
+        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(max(480, int(timeout_s) + 60)),
+    }
+    return {k: v for k, v in wanted.items() if not environ.get(k)}

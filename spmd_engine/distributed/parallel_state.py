@@ -22,7 +22,7 @@ import torch.distributed as dist
 from spmd_engine import topology
 from spmd_engine.config import ConfigError, ParallelConfig
 from spmd_engine.distributed.group_coordinator import GroupCoordinator
-from spmd_engine.distributed.launch_env import read_launch_env
+from spmd_engine.distributed.launch_env import nccl_env_defaults, read_launch_env
 
 logger = logging.getLogger("spmd_engine")
 
@@ -88,11 +88,21 @@ def init_distributed_environment(world_size: int = -1, rank: int = -1, local_ran
         _STATE.device_backend = _device_backend(str(dist.get_backend()))
         return
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if "nccl" in backend:  # a hang must still end the job: NCCL's watchdog enforces the timeout
+        os.environ.update(nccl_env_defaults(os.environ, _STATE.timeout.total_seconds()))
     kwargs: dict = {}
     if rank >= 0 and world_size > 0:
         kwargs = dict(init_method=distributed_init_method, rank=rank, world_size=world_size)
     elif launch is not None and launch.source == "torchrun":
         kwargs = dict(init_method="env://", rank=launch.rank, world_size=launch.world_size)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        if attempt not in ("", "0"):
+            # torchrun --max-restarts keeps its store across attempts: a restarted attempt would
+            # read the first attempt's keys (gloo's addresses) and fail to connect. Namespace them.
+            store, _, _ = next(dist.rendezvous("env://", rank=launch.rank, world_size=launch.world_size,
+                                               timeout=_STATE.timeout))
+            kwargs = dict(store=dist.PrefixStore(f"spmd_engine/attempt{attempt}/", store),
+                          rank=launch.rank, world_size=launch.world_size)
     elif launch is not None:
         method = launch.init_method if distributed_init_method == "env://" else distributed_init_method
         kwargs = dict(init_method=method, rank=launch.rank, world_size=launch.world_size)

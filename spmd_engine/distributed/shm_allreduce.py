@@ -14,6 +14,17 @@ enough: a rank can only start operation g + 1 after everyone published g,
 i.e. after everyone finished reading operation g - 1, the last user of the
 buffer it is about to overwrite. Tensors larger than a slot go chunk by chunk.
 
+Every slot is stamped. Before publishing operation g a rank writes, in its
+own header for buffer g % 2, (g, operation and dtype, this chunk's bytes, the
+whole tensor's bytes); after the wait every rank checks that every peer's
+stamp equals its own. Ranks that disagree on what operation g is (one rank
+aborted a step and the others did not, a caller passed different sizes) raise
+CollectiveError instead of summing unrelated bytes. A rank that fails (timeout,
+dead peer, mismatch) raises its own `broken` word in the segment: its peers see
+it within their wait loop and fail too, and every later operation on the group
+raises. Nobody falls back to gloo after a failure: a rank on gloo and a peer on
+shared memory would wait for each other until the timeout, or pair wrong data.
+
 Stores are ordered by x86's TSO memory model (data before counter), which this
 protocol relies on; on other architectures the gloo path is used instead.
 
@@ -25,10 +36,10 @@ nothing in /dev/shm. The mapping lives until destroy().
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import platform
-import secrets
 import socket
 import time
 
@@ -36,11 +47,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-SHM_DIR = "/dev/shm"
+from spmd_engine.shm_segment import SHM_DIR, ShmSegment
+
+logger = logging.getLogger("spmd_engine")
+
 SHM_PREFIX = "spmd_ar_"
 DISABLE_ENV = "SPMD_ENGINE_DISABLE_SHM_ALLREDUCE"
 DEFAULT_SLOT_BYTES = 1 << 20
-LINE = 64  # one cache line per counter, so ranks do not false-share
+LINE = 128  # two cache lines per rank: counter, broken word, a stamp per buffer; no false sharing
+_COUNTER, _BROKEN, _STAMP = 0, 1, 2  # int64 fields of a rank's line; stamps: 4 fields per buffer
+_OPS = {"all_reduce": 1, "all_gather": 2}
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64,
                     torch.int32, torch.int64)
 _HALF = (torch.bfloat16, torch.float16)
@@ -83,7 +99,8 @@ class ShmAllReduce:
         self.label, self.timeout_s, self.peers = label, timeout_s, peers
         self._mm = mm
         self._bytes = torch.frombuffer(mm, dtype=torch.uint8)
-        self._counters = np.frombuffer(mm, dtype=np.int64, count=nranks * LINE // 8)[:: LINE // 8]
+        self._lines = np.frombuffer(mm, dtype=np.int64, count=nranks * LINE // 8).reshape(nranks, LINE // 8)
+        self._counters = self._lines[:, _COUNTER]
         self._data_offset = nranks * LINE
         self._views: dict[tuple[int, torch.dtype, int], list[torch.Tensor]] = {}
         self._gen = int(self._counters[rank])
@@ -109,17 +126,19 @@ class ShmAllReduce:
         if len({i[0] for i in infos}) != 1 or not all(i[1] for i in infos):
             return None
         size = nranks * LINE + 2 * nranks * slot_bytes
-        name = [cls._make_segment(size) if me == 0 else None]
+        seg = cls._make_segment(size, label) if me == 0 else None
+        name = [seg.name if seg is not None else None]
+        mm = None
         try:
             dist.broadcast_object_list(name, src=ranks[0], group=cpu_group)
             if name[0] is None:
                 return None
-            mm = cls._attach(os.path.join(SHM_DIR, name[0]), size)
+            mm = seg.mm if seg is not None else cls._attach(name[0], size)
             attached: list = [None] * nranks
             dist.all_gather_object(attached, mm is not None, group=cpu_group)
         finally:
-            if me == 0 and name[0] is not None:
-                os.unlink(os.path.join(SHM_DIR, name[0]))  # everyone attached, gave up or failed
+            if seg is not None:
+                seg.unlink()  # everyone attached, gave up or failed
         if not all(attached):
             if mm is not None:
                 mm.close()
@@ -127,40 +146,29 @@ class ShmAllReduce:
         # Watch peers' processes only if we see them as they see themselves (same pid namespace).
         peers = [(i[2], i[3]) for i in infos]
         watch = all(ident is not None and _process_identity(pid) == ident for pid, ident in peers)
-        return cls(mm, name[0], nranks, me, slot_bytes, label, timeout_s, peers if watch else None)
+        return cls(mm, name[0].lstrip("/"), nranks, me, slot_bytes, label, timeout_s, peers if watch else None)
 
     @staticmethod
-    def _attach(path: str, size: int) -> mmap.mmap | None:
+    def _attach(name: str, size: int) -> mmap.mmap | None:
         try:
-            fd = os.open(path, os.O_RDWR)
+            return ShmSegment.attach(name, size).mm
         except OSError:
             return None
-        try:
-            return mmap.mmap(fd, size)
-        except OSError:
-            return None
-        finally:
-            os.close(fd)
 
     @staticmethod
-    def _make_segment(size: int) -> str | None:
-        name = f"{SHM_PREFIX}{os.getpid()}_{secrets.token_hex(8)}"
+    def _make_segment(size: int, label: str) -> ShmSegment | None:
+        """Reserved up front (a full tmpfs fails here, not with SIGBUS later); None: use gloo."""
         try:
-            fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        except OSError:
+            return ShmSegment.create(size, SHM_PREFIX, what=f"the all-reduce of group {label}")
+        except OSError as exc:
+            logger.warning("group %s: no shared-memory all-reduce, using gloo: %s", label, exc)
             return None
-        try:
-            os.posix_fallocate(fd, 0, size)  # reserve now: a full tmpfs fails here, not with SIGBUS later
-        except OSError:
-            os.close(fd)
-            os.unlink(os.path.join(SHM_DIR, name))
-            return None
-        os.close(fd)
-        return name
 
     # ---- the operation ----------------------------------------------
     def supports(self, t: torch.Tensor) -> bool:
-        return t.device.type == "cpu" and t.dtype in SUPPORTED_DTYPES and self.broken is None
+        """Whether `t` goes through shared memory. A broken group still says yes for the
+        tensors it used to take, so the caller gets the error instead of a gloo fallback."""
+        return t.device.type == "cpu" and t.dtype in SUPPORTED_DTYPES
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum `t` over the group, in place, identical bits on every rank; returns `t`."""
@@ -168,8 +176,9 @@ class ShmAllReduce:
         work = t if t.is_contiguous() else t.contiguous()
         flat = work.view(-1)
         step = self.slot_bytes // flat.element_size()
+        total = flat.numel() * flat.element_size()
         for start in range(0, flat.numel(), step):
-            self._reduce_chunk(flat[start:start + step])
+            self._reduce_chunk(flat[start:start + step], total)
         if work is not t:
             t.copy_(work)
         return t
@@ -184,15 +193,27 @@ class ShmAllReduce:
         flat = t.contiguous().view(-1)
         out = torch.empty((self.nranks, flat.numel()), dtype=t.dtype)
         step = self.slot_bytes // flat.element_size()
+        total = flat.numel() * flat.element_size()
         for start in range(0, flat.numel(), step):
             chunk = flat[start:start + step]
-            for rank, view in enumerate(self._exchange(chunk, "all_gather")):
+            for rank, view in enumerate(self._exchange(chunk, "all_gather", total)):
                 out[rank, start:start + chunk.numel()].copy_(view)
         return out.view(self.nranks, *t.shape)
 
     def _check_usable(self, op: str) -> None:
+        if self.broken is None:
+            peer = self._peer_broken()
+            if peer is not None:
+                self.broken = f"rank {peer} in group declared it broken"
         if self.broken is not None:
-            raise CollectiveError(f"{op} on group {self.label} unusable: {self.broken}")
+            raise CollectiveError(f"{op} on group {self.label} unusable: {self.broken} (shared-memory path)")
+
+    def _peer_broken(self) -> int | None:
+        flags = self._lines[:, _BROKEN]
+        for peer in range(self.nranks):
+            if peer != self.rank and flags[peer]:
+                return peer
+        return None
 
     def _slots(self, buf: int, dtype: torch.dtype, n: int) -> list[torch.Tensor]:
         """Every rank's slot in buffer `buf` as `n` elements of `dtype`, cached (sizes repeat)."""
@@ -208,21 +229,34 @@ class ShmAllReduce:
             self._views[key] = views
         return views
 
-    def _exchange(self, chunk: torch.Tensor, op: str) -> list[torch.Tensor]:
+    def _exchange(self, chunk: torch.Tensor, op: str, total: int) -> list[torch.Tensor]:
         """Publish `chunk` as operation number gen, wait for every rank's; their slots, in rank order."""
         gen = self._gen + 1
-        views = self._slots(gen % 2, chunk.dtype, chunk.numel())
+        buf = gen % 2
+        views = self._slots(buf, chunk.dtype, chunk.numel())
+        stamp = (gen, _OPS[op] * 64 + SUPPORTED_DTYPES.index(chunk.dtype),
+                 chunk.numel() * chunk.element_size(), total)
+        lines = self._lines
+        first = _STAMP + 4 * buf
+        lines[self.rank, first:first + 4] = stamp
         views[self.rank].copy_(chunk)
         self._gen = gen
         counters = self._counters
-        counters[self.rank] = gen
+        counters[self.rank] = gen  # after the stamp and the data (TSO keeps store order)
         for peer in range(self.nranks):
             if counters[peer] < gen:
                 self._wait_for(peer, gen, op)
+        for peer in range(self.nranks):
+            if lines[peer, _BROKEN]:  # it gave up on this operation: so does everyone
+                self._fail(op, f"failed: rank {peer} in group declared it broken")
+            theirs = tuple(int(v) for v in lines[peer, first:first + 4])
+            if theirs != stamp:
+                self._fail(op, f"failed: operation mismatch: this rank's operation {gen} is "
+                               f"{_describe(stamp)}, rank {peer}'s is {_describe(theirs)}")
         return views
 
-    def _reduce_chunk(self, chunk: torch.Tensor) -> None:
-        views = self._exchange(chunk, "all_reduce")
+    def _reduce_chunk(self, chunk: torch.Tensor, total: int) -> None:
+        views = self._exchange(chunk, "all_reduce", total)
         if chunk.dtype in _HALF and self.nranks > 2:
             # accumulate in fp32, round once: more accurate, still rank-order fixed. (With two
             # ranks torch's half add below already computes in fp32 and rounds once.)
@@ -250,6 +284,10 @@ class ShmAllReduce:
                 continue
             time.sleep(pause)
             pause = min(1e-3, pause * 2 or 1e-5)
+            broken_by = self._peer_broken()
+            if broken_by is not None:
+                self._fail(op, f"failed: rank {broken_by} in group declared it broken while this "
+                               f"rank waited for rank {peer}")
             if now >= next_check:
                 next_check = now + 0.1
                 if self.peers and _process_identity(self.peers[peer][0]) != self.peers[peer][1]:
@@ -258,7 +296,10 @@ class ShmAllReduce:
                     self._fail(op, f"timed out after {self.timeout_s:g}s waiting for rank {peer} in group")
 
     def _fail(self, op: str, why: str) -> None:
+        """Declare the group broken (peers see it in their wait), then raise."""
         self.broken = why
+        if self._lines is not None:
+            self._lines[self.rank, _BROKEN] = 1
         raise CollectiveError(f"{op} on group {self.label} {why} (shared-memory path)")
 
     # ---- teardown ---------------------------------------------------
@@ -267,10 +308,18 @@ class ShmAllReduce:
         if self._mm is None:
             return
         self._views.clear()
-        self._bytes = self._counters = None
+        self._bytes = self._counters = self._lines = None
         try:
             self._mm.close()
         except BufferError:  # a caller still holds a view; the OS unmaps at exit
             pass
         self._mm = None
         self.broken = "destroyed"
+
+
+def _describe(stamp: tuple) -> str:
+    gen, code, nbytes, total = stamp
+    ops = {v: k for k, v in _OPS.items()}
+    op, dtype = ops.get(code // 64, f"operation code {code // 64}"), code % 64
+    dtype = str(SUPPORTED_DTYPES[dtype]).replace("torch.", "") if dtype < len(SUPPORTED_DTYPES) else "?"
+    return f"#{gen} {op} of {total} B {dtype} (chunk {nbytes} B)"

@@ -1,9 +1,13 @@
 """DP > 1 without a launcher: one EngineCore_DP{i} process per replica.
 
 Each replica is a whole engine (scheduler, KV cache, executor and its own
-workers). The launching process splits the prompts over the replicas, waits for
-every replica, and puts the results back in input order. A replica that fails
-does not take the others down: their results are kept on the raised error.
+workers). The launching process splits the prompts over the replicas, and puts the results back in input order.
+
+Replicas stream each step's finished requests back as they finish. A replica
+that fails (an mp worker died, a worker raised) fails the whole `generate` at
+once: every replica's process is ended (their workers follow by the
+parent-death signal and their own liveness checks), and the error carries the
+requests that had finished before, from every replica (`exc.partial`).
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import pickle
+import signal
 import traceback
 from dataclasses import replace
 from multiprocessing.connection import wait
@@ -27,10 +33,11 @@ POLL_S = 0.2
 class DPEngineClient:
     def __init__(self, config: EngineConfig, executor_class, max_model_len: int, eos: int | None):
         dp_size = config.parallel_config.data_parallel_size
-        from spmd_engine.proc_util import mp_context
+        from spmd_engine.proc_util import created_from_main_thread, mp_context
         ctx = mp_context()
         self.procs: list[mp.Process] = []
         self.conns = []
+        self.failed: str | None = None
         for dp_rank in range(dp_size):
             pc = replace(config.parallel_config, data_parallel_rank=dp_rank, data_parallel_rank_local=dp_rank,
                          distributed_executor_backend=config.parallel_config.distributed_executor_backend)
@@ -39,7 +46,8 @@ class DPEngineClient:
             name = topology.engine_core_name(dp_rank, dp_size)
             proc = ctx.Process(target=run_engine_core, name=name, daemon=False,
                                args=(replica_config, executor_class, max_model_len, eos, name, child, os.getpid(),
-                                     logging.getLogger("spmd_engine").getEffectiveLevel()))
+                                     logging.getLogger("spmd_engine").getEffectiveLevel(),
+                                     created_from_main_thread()))
             proc.start()
             child.close()
             self.procs.append(proc)
@@ -73,11 +81,13 @@ class DPEngineClient:
         return self._receive(i, what)[1]
 
     def generate(self, requests: list[Request], progress: ProgressCallback | None = None) -> list[Request]:
-        """Every replica runs its share at once; their progress messages are relayed as they come."""
+        """Every replica runs its share at once; finished requests arrive as they finish."""
+        if self.failed:
+            raise EngineDeadError(f"Executor failed. (the DP replicas were shut down after: {self.failed})")
         shares = [requests[i::len(self.procs)] for i in range(len(self.procs))]
         for conn, share in zip(self.conns, shares):
-            conn.send(("generate", (share, progress is not None)))
-        finished, errors = [], []
+            conn.send(("generate", share))
+        finished = []
         pending = {conn: i for i, conn in enumerate(self.conns)}
         while pending:
             ready = wait(list(pending), timeout=POLL_S)
@@ -87,27 +97,50 @@ class DPEngineClient:
                 try:
                     status, payload = self._receive(i, "generate")
                 except EngineDeadError as exc:
-                    errors.append(str(exc))
-                    del pending[conn]
-                    continue
-                if status == "progress":
-                    progress(*payload)
-                else:
+                    self._fail_fast(str(exc), finished)
+                if status == "finished":
                     finished.extend(payload)
+                    if progress is not None:
+                        tokens = sum(len(r.output_token_ids) for r in payload)
+                        if getattr(progress, "wants_requests", False):
+                            progress(len(payload), tokens, payload)  # LLM streams the outputs
+                        else:
+                            progress(len(payload), tokens)
+                else:
                     del pending[conn]
-        if errors:
-            err = EngineDeadError("; ".join(errors))
-            err.partial = finished  # other replicas' results are intact
-            raise err
         return finished
 
+    def _fail_fast(self, why: str, finished: list[Request]) -> None:
+        """One replica failed: end every replica now (the others' work is lost with the call),
+        keep what had already arrived, and raise."""
+        self.failed = why
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.terminate()  # no handler in an EngineCore: it ends now, its workers with it
+        for i, conn in enumerate(self.conns):  # requests finished before the fault, still in the pipes
+            try:
+                while conn.poll(0):
+                    status, payload = conn.recv()
+                    if status == "finished":
+                        finished.extend(payload)
+            except (EOFError, OSError, ValueError, pickle.UnpicklingError):
+                pass  # a message cut short by the kill
+        _end_processes(self.procs, grace_s=5.0)
+        err = EngineDeadError(why)
+        err.partial = finished
+        raise err
+
     def collective_rpc(self, method, args=(), kwargs=None, unique_reply_rank=None):
+        if self.failed:
+            raise EngineDeadError(f"Executor failed. (the DP replicas were shut down after: {self.failed})")
         for conn in self.conns:
             conn.send(("rpc", (dumps_method(method), args, kwargs, unique_reply_rank)))
         return [r for i in range(len(self.procs)) for r in self._reply(i, "collective_rpc")]
 
     def call_core(self, method: str, *args) -> list:
         """`EngineCore.method(*args)` in every replica, one reply each (prefix cache, stats)."""
+        if self.failed:
+            raise EngineDeadError(f"Executor failed. (the DP replicas were shut down after: {self.failed})")
         for conn in self.conns:
             conn.send(("core", (method, args)))
         return [self._reply(i, method) for i in range(len(self.procs))]
@@ -119,23 +152,20 @@ class DPEngineClient:
                     conn.send(("shutdown", None))
                 except (BrokenPipeError, OSError):
                     pass
-        for proc in self.procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
+        _end_processes(self.procs, grace_s=10.0)
         for conn in self.conns:
             conn.close()
         self.procs, self.conns = [], []
 
 
 def run_engine_core(config, executor_class, max_model_len, eos, name, conn, parent_pid,
-                    log_level=logging.WARNING) -> None:
+                    log_level=logging.WARNING, parent_main_thread: bool = False) -> None:
     """Body of an EngineCore_DP{i} process: build the engine, then serve the front end."""
     from spmd_engine.engine.core import EngineCore
     from spmd_engine.proc_util import die_with_parent, set_process_title
     set_process_title(name)
-    die_with_parent(parent_pid)
+    die_with_parent(parent_pid, parent_main_thread)
+    signal.signal(signal.SIGTERM, _end_with_workers)
     logging.basicConfig(level=log_level, format=f"[{name}] %(message)s")
     try:
         core = EngineCore(config, executor_class, max_model_len, eos)
@@ -153,11 +183,13 @@ def run_engine_core(config, executor_class, max_model_len, eos, name, conn, pare
                 return
             try:
                 if kind == "generate":
-                    share, relay_progress = payload
-                    for request in share:
+                    for request in payload:
                         core.add_request(request)
-                    relay = (lambda n, tokens: conn.send(("progress", (n, tokens)))) if relay_progress else None
-                    conn.send(("ok", core.run_until_done(relay)))
+                    while core.has_unfinished_requests():
+                        done = core.step()
+                        if done:  # streamed: the front end keeps them even if a later step fails
+                            conn.send(("finished", done))
+                    conn.send(("ok", None))
                 elif kind == "core":
                     method, args = payload
                     conn.send(("ok", getattr(core, method)(*args)))
@@ -168,6 +200,29 @@ def run_engine_core(config, executor_class, max_model_len, eos, name, conn, pare
                 conn.send(("error", _one_line(exc)))
     finally:
         core.shutdown()
+
+
+def _end_with_workers(signum, frame) -> None:
+    """SIGTERM from the front end (fail fast): kill and reap this replica's workers, then exit,
+    so that when the front end has joined this process its workers are gone too."""
+    children = mp.active_children()
+    for child in children:
+        child.kill()
+    for child in children:
+        child.join(timeout=2)
+    os._exit(128 + signum)
+
+
+def _end_processes(procs: list[mp.Process], grace_s: float) -> None:
+    """Join each process within the grace time, then SIGKILL what is left."""
+    import time
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
 
 
 def _one_line(exc: BaseException) -> str:

@@ -98,12 +98,16 @@ class LLM:
     # -- generation ---------------------------------------------------------------
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 progress: ProgressCallback | None = None) -> list[RequestOutput]:
+                 progress: ProgressCallback | None = None,
+                 on_output: Callable[[int, RequestOutput], None] | None = None) -> list[RequestOutput]:
         """Results complete and in input order. `progress(requests, tokens)` is called as
-        requests finish (from every replica this process drives), for a progress display."""
+        requests finish (from every replica this process drives), for a progress display;
+        `on_output(position, output)` too, with each finished request (to stream results)."""
         requests = self._make_requests(prompts, sampling_params)
         if self.config.parallel_config.distributed_executor_backend == "external_launcher":
             self._check_same_inputs_across_replica(requests)
+        if on_output is not None:
+            progress = _OutputRelay(requests, self.inputs, on_output, progress)
         try:
             finished = {r.request_id: r for r in self._engine_generate(requests, progress)}
         except EngineDeadError as exc:
@@ -119,7 +123,15 @@ class LLM:
             return self._engine.generate(requests, progress)
         for request in requests:
             self._engine.add_request(request)
-        return self._engine.run_until_done(progress)
+        if not getattr(progress, "wants_requests", False):
+            return self._engine.run_until_done(progress)
+        finished = []  # streaming: hand each step's finished requests on as they finish
+        while self._engine.has_unfinished_requests():
+            done = self._engine.step()
+            if done:
+                progress(len(done), sum(len(r.output_token_ids) for r in done), done)
+            finished.extend(done)
+        return finished
 
     def _make_requests(self, prompts, sampling_params) -> list[Request]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -222,6 +234,22 @@ def front_end_kv_plan(config: EngineConfig, hf_config, spec) -> "kv_sizing.KVPla
     available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     procs = int(os.environ.get("LOCAL_WORLD_SIZE", pc.world_size * pc.data_parallel_size))
     return kv_sizing.plan_kv(config, spec, itemsize, available, procs)
+
+
+class _OutputRelay:
+    """A progress callback that also hands each finished request on, as a RequestOutput."""
+
+    wants_requests = True  # engines call it as (requests, tokens, finished Request list)
+
+    def __init__(self, requests: list[Request], inputs, on_output, progress):
+        self.position = {r.request_id: i for i, r in enumerate(requests)}
+        self.inputs, self.on_output, self.progress = inputs, on_output, progress
+
+    def __call__(self, n: int, tokens: int, done: list[Request]) -> None:
+        for r in done:
+            self.on_output(self.position[r.request_id], _to_output(r, self.inputs))
+        if self.progress is not None:
+            self.progress(n, tokens)
 
 
 def _default_device() -> str:

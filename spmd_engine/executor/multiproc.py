@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from spmd_engine import topology
 from spmd_engine.executor.abstract import Executor, dumps_method
-from spmd_engine.executor.shm_queue import MessageQueue
+from spmd_engine.executor.shm_queue import MessageQueue, PeerGoneError
 from spmd_engine.executor.worker_proc import FAILURE, SHUTDOWN, WorkerHandle, start_worker
 
 logger = logging.getLogger("spmd_engine")
@@ -103,25 +103,88 @@ class MultiprocExecutor(Executor):
 
     def collective_rpc(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None,
                        unique_reply_rank: int | None = None, timeout: float | None = None) -> list[Any]:
+        """Broadcast the call, then read the replies asked for, in rank order.
+
+        Any failure -- a worker's exception (reported by whichever rank raised it,
+        asked for or not), a timeout, a dead worker -- marks the executor failed and
+        ends its workers before the error is raised: their queues may hold replies
+        to this call that nobody will read, so no later call may run on them. Every
+        later call raises RuntimeError("Executor failed.") before enqueueing anything.
+        """
         if self.is_failed:
             raise RuntimeError("Executor failed.")
+        self._check_no_late_reply()
         send_method = dumps_method(method)
         timeout = self.config.timeout_s if timeout is None else timeout
-        self.rpc_broadcast_mq.enqueue((send_method, args, kwargs, unique_reply_rank), timeout=timeout)
-        ranks = range(self.world_size) if unique_reply_rank is None else (unique_reply_rank,)
+        name = method if isinstance(method, str) else getattr(method, "__name__", "callable")
+        try:
+            self.rpc_broadcast_mq.enqueue((send_method, args, kwargs, unique_reply_rank), timeout=timeout)
+        except TimeoutError:
+            self._fail(f"collective_rpc {name!r}: the workers did not take the call within {timeout:g}s")
+            raise TimeoutError(f"collective_rpc {name!r}: the workers did not take the call within "
+                               f"{timeout:g}s") from None
+        except BaseException:
+            self._fail(f"collective_rpc {name!r}: could not send the call")
+            raise
+        ranks = list(range(self.world_size)) if unique_reply_rank is None else [unique_reply_rank]
+        early: dict[int, tuple] = {}  # replies read ahead while waiting on a slower rank
+
+        def no_failure_elsewhere() -> bool:
+            """Checked every 0.1 s while a reply is awaited: has another worker failed?"""
+            for r, mq in enumerate(self.response_mqs):
+                if r != waiting_on and r not in early and mq.has_message():
+                    early[r] = mq.dequeue(timeout=timeout)
+            return not any(status == FAILURE for status, _ in early.values())
+
         results = []
         for rank in ranks:
+            waiting_on = rank
             try:
-                status, result = self.response_mqs[rank].dequeue(timeout=timeout)
+                status, result = early.pop(rank) if rank in early else \
+                    self.response_mqs[rank].dequeue(timeout=timeout, alive=no_failure_elsewhere)
+            except PeerGoneError:
+                status, result = next(v for v in early.values() if v[0] == FAILURE)
             except TimeoutError:
-                name = method if isinstance(method, str) else getattr(method, "__name__", "callable")
-                raise TimeoutError(f"collective_rpc {name!r}: no reply from worker {rank} of this replica "
-                                   f"within {timeout:g}s") from None
+                message = (f"collective_rpc {name!r}: no reply from worker {rank} of this replica "
+                           f"within {timeout:g}s")
+                self._fail(message)
+                raise TimeoutError(message) from None
+            except BaseException:
+                self._fail(f"collective_rpc {name!r}: interrupted while waiting for worker {rank}")
+                raise
             if status == FAILURE:
+                self._fail(f"collective_rpc {name!r}: a worker raised {result}")
                 raise RuntimeError(f"Worker failed with error '{result}', please check the stack trace "
                                    f"above for the root cause")
             results.append(result)
         return results
+
+    def _check_no_late_reply(self) -> None:
+        """Between calls every response queue is empty, unless a worker whose reply was not
+        asked for reported a failure after the call returned: fail on it now, before this
+        call runs on a replica with a broken rank. (A memory read per worker.)"""
+        for rank, mq in enumerate(self.response_mqs):
+            if mq.has_message():
+                status, result = mq.dequeue(timeout=self.config.timeout_s)
+                if status == FAILURE:
+                    self._fail(f"worker {rank} raised {result} after the previous call returned")
+                    raise RuntimeError(f"Worker failed with error '{result}', please check the stack "
+                                       f"trace above for the root cause")
+                self._fail(f"worker {rank} sent a reply nobody asked for")
+                raise RuntimeError("Executor failed.")
+
+    def _fail(self, why: str) -> None:
+        """Mark the executor failed and end this replica's workers (they may sit in a
+        collective with the rank that failed); the queues stay mapped until shutdown."""
+        if self.is_failed:
+            return
+        self.is_failed = True
+        logger.error("%s; shutting down executor.", why)
+        self.shutdown(close_queues=False)
+        callback = self.failure_callback
+        if callback is not None:
+            self.failure_callback = None
+            callback()
 
     def shutdown(self, close_queues: bool = True) -> None:
         """Stop every worker of this replica and cancel its queues; safe to call twice.

@@ -51,7 +51,8 @@ from .shm_ring import (ATTACHED_OFF, CHUNK_HEADER, WAKE_SEQ_OFF,
                        WRITER_CLOSED_OFF, Futex, RingLayout, ShmSegment,
                        read_geometry, write_geometry)
 
-__all__ = ["MessageQueue", "MessageQueueHandle", "WaitPolicy", "PeerGoneError"]
+__all__ = ["MessageQueue", "MessageQueueHandle", "WaitPolicy", "PeerGoneError",
+           "UnpicklableError"]
 
 _fence_lock = threading.Lock()
 
@@ -75,6 +76,11 @@ _HDR = CHUNK_HEADER.size
 
 class PeerGoneError(RuntimeError):
     """The ``alive`` callback said the other side of the queue has died."""
+
+
+class UnpicklableError(TypeError):
+    """``enqueue`` could not pickle the object; nothing was written, the queue
+    is still usable.  ``__cause__`` is pickle's own error."""
 
 
 @dataclass(frozen=True)
@@ -259,7 +265,10 @@ class MessageQueue:
         """
         self._check_usable(writer=True)
         buffers: list = []
-        main = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+        try:
+            main = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+        except Exception as e:
+            raise UnpicklableError(f"{type(e).__name__}: {e}") from e
         deadline = self._deadline(timeout)
         mv, cap = self._mv, self._layout.capacity
         if not buffers and len(main) <= cap:  # common case: one chunk
@@ -321,6 +330,12 @@ class MessageQueue:
             if (t, f) != (total, frag):
                 self._corrupt(f"expected fragment {frag} of {total} B, "
                               f"got {f} of {t} B")
+
+    def has_message(self) -> bool:
+        """Reader: True when the next message (its first chunk) is already
+        published, so a ``dequeue`` would not wait for it to start."""
+        chunk = self._pos % self._layout.n_chunks
+        return self._meta[self._seq_i[chunk]] == self._pos + 1
 
     # ------------------------------------------------------ ring bookkeeping
     def _claim_chunk(self, deadline, alive, timeout, mid_message) -> int:

@@ -43,7 +43,11 @@ path costs no system call.  (Dekker-style: both sides put a full fence between
 their store and their load of the other's flag; the futex timeout bounds the
 damage of any missed wake-up.)
 
-Why ``_posixshmem`` and not ``multiprocessing.shared_memory.SharedMemory``:
+The segment itself comes from :mod:`spmd_engine.shm_segment`,
+shared with the all-reduce: a file in /dev/shm whose space is reserved with
+posix_fallocate, so a full /dev/shm fails at creation instead of SIGBUS later.
+
+Why not ``multiprocessing.shared_memory.SharedMemory``:
 in Python 3.11 ``SharedMemory`` registers the name with the resource tracker
 on *attach* too, so a reader launched outside ``multiprocessing`` (torchrun)
 would unlink the segment at its exit and print "leaked shared_memory"
@@ -56,15 +60,12 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import os
 import platform
-import re
-import secrets
 import struct
 import sys
 from multiprocessing import resource_tracker
 
-import _posixshmem  # CPython's shm_open/shm_unlink; what SharedMemory uses
+from spmd_engine.shm_segment import ShmSegment as _Segment
 
 MAGIC = b"SPMDMQ01"
 NAME_PREFIX = "spmd_mq_"
@@ -110,72 +111,30 @@ class RingLayout:
         return self.data_off + chunk * self.chunk_bytes
 
 
-class ShmSegment:
-    """One mapped POSIX shared-memory object; ``owner`` created (and unlinks) it."""
+class ShmSegment(_Segment):
+    """A queue's segment: the shared helper plus a crash guard for the creator.
 
-    def __init__(self, name: str, mm: mmap.mmap, owner: bool):
-        self.name = name  # with the leading "/" that shm_open wants
-        self.mm = mm
-        self.owner = owner
-        self.unlinked = not owner
+    Between creation and the moment every party has attached (start-up only),
+    a SIGKILLed creator would leave the name behind; the creating process
+    registers it with multiprocessing's resource tracker, which removes it then,
+    and unregisters it once unlinked. Only processes that create queues (an mp
+    engine; its spawned workers share its tracker) have one; torchrun ranks
+    (external_launcher) make no queue and no tracker.
+    """
 
     @classmethod
     def create(cls, size: int, label: str = "") -> "ShmSegment":
-        """Create a fresh segment named ``/spmd_mq_<label>_<random>``.
-
-        The random token makes two jobs (or two engines of one job) on a host
-        unable to collide; the label only helps a person reading /dev/shm.
-        """
-        tag = re.sub(r"[^A-Za-z0-9]", "", label)[:16]
-        flags = os.O_CREAT | os.O_EXCL | os.O_RDWR
-        for _ in range(100):
-            token = secrets.token_hex(8)
-            name = f"/{NAME_PREFIX}{tag + '_' if tag else ''}{token}"
-            try:
-                fd = _posixshmem.shm_open(name, flags, mode=0o600)
-            except FileExistsError:
-                continue
-            break
-        else:  # pragma: no cover - 100 collisions of 64-bit tokens
-            raise FileExistsError("could not pick a free shared-memory name")
-        try:
-            os.ftruncate(fd, size)
-            mm = mmap.mmap(fd, size)
-        except BaseException:
-            _posixshmem.shm_unlink(name)
-            raise
-        finally:
-            os.close(fd)
-        resource_tracker.register(name, "shared_memory")
-        return cls(name, mm, owner=True)
+        seg = super().create(size, NAME_PREFIX, label, what=f"message queue {label!r}")
+        resource_tracker.register(seg.name, "shared_memory")
+        return seg
 
     @classmethod
     def attach(cls, name: str) -> "ShmSegment":
-        fd = _posixshmem.shm_open(name, os.O_RDWR, mode=0o600)
-        try:
-            mm = mmap.mmap(fd, os.fstat(fd).st_size)
-        finally:
-            os.close(fd)
-        return cls(name, mm, owner=False)
+        return super().attach(name)
 
-    def unlink(self) -> None:
-        """Remove the name; mappings stay valid until every party closes."""
-        if self.unlinked:
-            return
-        self.unlinked = True
-        try:
-            _posixshmem.shm_unlink(self.name)
-        except FileNotFoundError:
-            pass
-        resource_tracker.unregister(self.name, "shared_memory")
-
-    def close(self) -> None:
-        try:
-            self.mm.close()
-        except BufferError:
-            # A deserialized object still references ring memory; the mapping
-            # is released when that object is collected.
-            pass
+    def _after_unlink(self) -> None:
+        if self.owner:
+            resource_tracker.unregister(self.name, "shared_memory")
 
 
 def write_geometry(mm: mmap.mmap, layout: RingLayout) -> None:

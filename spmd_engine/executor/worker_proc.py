@@ -14,7 +14,8 @@ import os
 import traceback
 from dataclasses import dataclass
 
-from spmd_engine.executor.shm_queue import MessageQueue, MessageQueueHandle, PeerGoneError
+from spmd_engine.executor.shm_queue import (MessageQueue, MessageQueueHandle, PeerGoneError,
+                                            UnpicklableError)
 
 SUCCESS, FAILURE = "success", "failure"
 SHUTDOWN = "__shutdown__"
@@ -47,13 +48,14 @@ class WorkerHandle:
 
 def start_worker(config, local_rank: int, init_method: str, dp_local_rank: int,
                  rpc_handle: MessageQueueHandle, response_handle: MessageQueueHandle, name: str) -> WorkerHandle:
-    from spmd_engine.proc_util import mp_context
+    from spmd_engine.proc_util import created_from_main_thread, mp_context
     ctx = mp_context()
     reader, writer = ctx.Pipe(duplex=False)
     log_level = logging.getLogger("spmd_engine").getEffectiveLevel()
     proc = ctx.Process(target=worker_main, name=name, daemon=True,
                        args=(config, local_rank, init_method, dp_local_rank, rpc_handle,
-                             response_handle, writer, os.getpid(), name, log_level))
+                             response_handle, writer, os.getpid(), name, log_level,
+                             created_from_main_thread()))
     proc.start()
     writer.close()
     return WorkerHandle(name, local_rank, proc, reader)
@@ -86,12 +88,13 @@ def _share_cores(config, first_on_host: bool) -> None:
 
 
 def worker_main(config, local_rank, init_method, dp_local_rank, rpc_handle, response_handle,
-                ready_conn, parent_pid, name, log_level=logging.WARNING) -> None:
+                ready_conn, parent_pid, name, log_level=logging.WARNING,
+                parent_main_thread: bool = False) -> None:
     from spmd_engine.executor.abstract import loads_method, run_method
     from spmd_engine.proc_util import die_with_parent, set_process_title
     from spmd_engine.worker import Worker
     set_process_title(name)
-    die_with_parent(parent_pid)
+    die_with_parent(parent_pid, parent_main_thread)
     logging.basicConfig(level=log_level, format=f"[{name}] %(message)s")
     _share_cores(config, first_on_host=local_rank == 0 and dp_local_rank == 0)
     rpc = MessageQueue.attach(rpc_handle, reader_index=local_rank)
@@ -125,9 +128,19 @@ def worker_main(config, local_rank, init_method, dp_local_rank, rpc_handle, resp
             except Exception as exc:
                 traceback.print_exc()
                 status, result = FAILURE, f"{type(exc).__name__}: {exc}"
-            if reply_rank is None or reply_rank == local_rank:
-                response.enqueue((status, result), alive=engine_alive)
+            # A failure is always reported, even by a rank whose reply was not asked for:
+            # the engine watches every response queue while it waits, and fails at once.
+            if status == FAILURE or reply_rank is None or reply_rank == local_rank:
+                try:
+                    response.enqueue((status, result), alive=engine_alive)
+                except UnpicklableError as exc:  # nothing was written: say why instead
+                    response.enqueue((FAILURE, f"{exc} (the reply of {_method_name(method)} "
+                                               f"could not be pickled)"), alive=engine_alive)
     finally:
         worker.shutdown()
         rpc.close()
         response.close()
+
+
+def _method_name(method) -> str:
+    return repr(method) if isinstance(method, str) else repr(getattr(method, "__name__", "callable"))
