@@ -58,12 +58,15 @@ class EngineCore:
         return self.scheduler.update_from_output(scheduler_output, model_output)
 
     def run_until_done(self, progress: ProgressCallback | None = None) -> list[Request]:
-        """Step until every request has finished; `progress` hears of each step's finished ones."""
+        """Step until every request has finished; `progress` hears of each step's finished ones
+        (and gets the finished requests themselves when it `wants_requests`, to stream them)."""
         finished = []
+        with_requests = getattr(progress, "wants_requests", False)
         while self.scheduler.has_unfinished():
             done = self.step()
             if done and progress is not None:
-                progress(len(done), sum(len(r.output_token_ids) for r in done))
+                tokens = sum(len(r.output_token_ids) for r in done)
+                progress(len(done), tokens, done) if with_requests else progress(len(done), tokens)
             finished.extend(done)
         return finished
 

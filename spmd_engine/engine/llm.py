@@ -123,15 +123,7 @@ class LLM:
             return self._engine.generate(requests, progress)
         for request in requests:
             self._engine.add_request(request)
-        if not getattr(progress, "wants_requests", False):
-            return self._engine.run_until_done(progress)
-        finished = []  # streaming: hand each step's finished requests on as they finish
-        while self._engine.has_unfinished_requests():
-            done = self._engine.step()
-            if done:
-                progress(len(done), sum(len(r.output_token_ids) for r in done), done)
-            finished.extend(done)
-        return finished
+        return self._engine.run_until_done(progress)
 
     def _make_requests(self, prompts, sampling_params) -> list[Request]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
