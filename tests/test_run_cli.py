@@ -39,6 +39,7 @@ def test_plain_run_recites_the_training_text(uni_stdout):
     assert body == "Beautiful is" + continuation("Beautiful is") + "\n"
 
 
+@pytest.mark.xdist_group("world8")
 @pytest.mark.timeout(300)
 def test_torchrun_world8_tp2_pp2_dp2_prints_the_same_text(uni_stdout):
     launch = run_torchrun(8, ["-m", "spmd_engine.run", "-tp", 2, "-pp", 2, "-dp", 2,
