@@ -20,7 +20,8 @@ from launch import PYTHON, REPO, Launch, base_env
 SLURM_DIR = REPO / "scripts" / "slurm"
 PROMPTS = [{"prompt": "Simple is"}, {"prompt": "Errors should"}, {"prompt_token_ids": [256, 70, 108, 97]},
            {"prompt": "Now is"}, {"prompt": "Readability"}]
-FLAGS = ["--max-tokens", "24", "--seed", "3", "--quiet"]
+# Seeded sampling (not greedy), so every launch must reproduce the seed's draws, not just argmaxes.
+FLAGS = ["--max-tokens", "24", "--temperature", "2.0", "--seed", "3", "--quiet"]
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +39,11 @@ def reference(prompts_file, tmp_path_factory):
                            "--output", str(out)], cwd=REPO, env=base_env("slurm-ref"), capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+    other = out.with_name("seed4.jsonl")  # negative control: another seed, other tokens
+    proc = subprocess.run([PYTHON, "-m", "spmd_engine.run", "--prompts-file", str(prompts_file),
+                           *[("4" if f == "3" else f) for f in FLAGS], "--output", str(other)], cwd=REPO,
+                          env=base_env("slurm-ref"), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and other.read_text() != out.read_text(), proc.stderr
     return out.read_text()
 
 
