@@ -36,13 +36,32 @@ def test_requests_wait_for_slots_and_enter_as_others_finish():
     assert all(len(batch) <= 2 for batch in trace)
 
 
-def test_same_inputs_same_schedule():
-    def run():
-        s = Scheduler(num_slots=3, max_model_len=64, eos_token_id=EOS)
-        for i in range(7):
-            s.add_request(make(i, prompt_len=1 + i % 3, max_tokens=1 + (i * 5) % 4))
-        return drive(s, lambda rid, step: (int(rid) * 31 + step) % 50)
-    assert run() == run()
+def same_inputs_trace():
+    s = Scheduler(num_slots=3, max_model_len=64, eos_token_id=EOS)
+    for i in range(7):
+        s.add_request(make(i, prompt_len=1 + i % 3, max_tokens=1 + (i * 5) % 4))
+    return drive(s, lambda rid, step: (int(rid) * 31 + step) % 50)
+
+
+def test_same_inputs_same_schedule_in_other_interpreters():
+    """Same inputs, same schedule, also in interpreters with other string hashes (a schedule
+    that iterated a set of request ids would differ there, and not within one process).
+    Negative control: a set of the same ids does come out in another order under those seeds."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import json, sys; sys.path.insert(0, 'tests'); import test_scheduler as t; "
+            "print(json.dumps([t.same_inputs_trace(), list({str(i) for i in range(40)})]))")
+    runs = [json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                      cwd=Path(__file__).resolve().parents[1], timeout=60,
+                                      env={**os.environ, "PYTHONHASHSEED": seed}).stdout)
+            for seed in ("1", "2")]
+    here = json.loads(json.dumps(same_inputs_trace()))
+    assert runs[0][0] == runs[1][0] == here
+    assert runs[0][1] != runs[1][1]
 
 
 def test_finish_reasons():
