@@ -121,12 +121,15 @@ class Launch(subprocess.CompletedProcess):
     """Processes started together: a CompletedProcess (first non-zero exit code,
     joined outputs) plus per-process codes and outputs, timeout flag, leftovers."""
 
-    def __init__(self, cmds: list[list[str]], envs: list[dict[str, str]], tag: str, timeout: float):
+    def __init__(self, cmds: list[list[str]], envs: list[dict[str, str]], tag: str, timeout: float,
+                 on_poll=None):
+        """`on_poll(launch)`, if given, runs every 0.25 s while the processes run: tests trigger
+        events (a kill, a signal) on what the launch has printed so far (`output_so_far`)."""
         self.tag, self.timed_out = tag, False
-        files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in cmds]
-        procs = [subprocess.Popen(cmd, env=env, cwd=REPO, stdout=out, stderr=err, text=True,
-                                  start_new_session=True)
-                 for cmd, env, (out, err) in zip(cmds, envs, files)]
+        self._files = files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in cmds]
+        self.procs = procs = [subprocess.Popen(cmd, env=env, cwd=REPO, stdout=out, stderr=err, text=True,
+                                               start_new_session=True)
+                              for cmd, env, (out, err) in zip(cmds, envs, files)]
         self.seen_pids: set[int] = {proc.pid for proc in procs}  # every pid that carried the tag
         deadline = time.monotonic() + timeout
         while any(proc.poll() is None for proc in procs):
@@ -134,6 +137,8 @@ class Launch(subprocess.CompletedProcess):
                 self.timed_out = True
                 break
             self.seen_pids.update(tagged_pids(tag))
+            if on_poll is not None:
+                on_poll(self)
             time.sleep(0.25)
         if self.timed_out:
             _stop(procs, tag)
@@ -146,6 +151,15 @@ class Launch(subprocess.CompletedProcess):
             out.close(), err.close()
         rc = next((rc for rc in self.returncodes if rc != 0), 0)
         super().__init__(cmds, rc, "".join(self.stdouts), "".join(self.stderrs))
+
+    def output_so_far(self) -> str:
+        """Everything the launch's processes have written to stdout and stderr until now."""
+        chunks = []
+        for out, err in self._files:
+            for f in (out, err):
+                size = os.fstat(f.fileno()).st_size
+                chunks.append(os.pread(f.fileno(), size, 0).decode(errors="replace"))
+        return "".join(chunks)
 
     def stale_segments(self) -> list[str]:
         """/dev/shm segments created by this launch's processes and left behind."""
@@ -161,7 +175,7 @@ class Launch(subprocess.CompletedProcess):
 
 
 def run_torchrun(nproc: int, args: list[str], timeout: float, env_extra: dict[str, str] | None = None,
-                 nnodes: int = 1, rdzv: bool = False) -> Launch:
+                 nnodes: int = 1, rdzv: bool = False, on_poll=None) -> Launch:
     """`python -m torch.distributed.run` with `nproc` workers per node, `nnodes` agents on this host.
 
     One node: a c10d rendezvous whose store binds port 0 (as `--standalone` does), so no
@@ -181,7 +195,7 @@ def run_torchrun(nproc: int, args: list[str], timeout: float, env_extra: dict[st
             else:
                 cmd += ["--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port)]
             cmds.append(cmd + [str(a) for a in args])
-        launch = Launch(cmds, [base_env(tag, env_extra)] * nnodes, tag, timeout)
+        launch = Launch(cmds, [base_env(tag, env_extra)] * nnodes, tag, timeout, on_poll)
         if port == 0 or not launch.port_in_use():
             return launch
     return launch
