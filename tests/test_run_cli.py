@@ -39,6 +39,14 @@ def test_plain_run_recites_the_training_text(uni_stdout):
     assert body == "Beautiful is" + continuation("Beautiful is") + "\n"
 
 
+@pytest.mark.timeout(180)
+def test_mp_tp2_pp2_prints_the_same_text(uni_stdout):
+    """The README's `python -m spmd_engine.run -tp 2 -pp 2 --prompt "Beautiful is"` (mp: 4 workers)."""
+    proc = run_cli("-tp", 2, "-pp", 2, "--prompt", "Beautiful is", "--quiet", timeout=160)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == uni_stdout
+
+
 @pytest.mark.xdist_group("world8")
 @pytest.mark.timeout(300)
 def test_torchrun_world8_tp2_pp2_dp2_prints_the_same_text(uni_stdout):
