@@ -80,6 +80,22 @@ def stale_segments(creators=None) -> list[str]:
     return stale
 
 
+def unique_tag(name: str) -> str:
+    """A launch tag no other test run on this machine can share."""
+    return f"{name}-{uuid.uuid4().hex[:8]}"
+
+
+def run_checked(cmd: list[str], name: str, timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run of one command under a fresh tag, then the leftover check every launch gets:
+    no process carrying the tag may survive it (survivors are killed and fail the test)."""
+    tag = unique_tag(name)
+    proc = subprocess.run([str(c) for c in cmd], cwd=REPO, env=base_env(tag), capture_output=True, text=True,
+                          timeout=timeout, **kwargs)
+    left = _reap(tag)
+    assert not left, f"processes left behind by {cmd}: {left}"
+    return proc
+
+
 def _reap(tag: str, grace_s: float = 3.0) -> list[int]:
     """Wait briefly for tagged processes to exit, then SIGKILL survivors; returns survivors."""
     deadline = time.monotonic() + grace_s

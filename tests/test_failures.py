@@ -9,22 +9,16 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 
-from launch import PYTHON, REPO, Launch, base_env, free_port, run_torchrun, tagged_pids
+from launch import PYTHON, REPO, Launch, base_env, free_port, run_torchrun, tagged_pids, unique_tag
 from spmd_engine import LLM, SamplingParams
 from spmd_engine.engine.core import EngineDeadError
 
 LONG = SamplingParams(max_tokens=800)
 SHORT = SamplingParams(max_tokens=2)  # finishes first: its progress callback is the kill's trigger
-
-
-def unique_tag(name: str) -> str:
-    """Launch tags are unique: other test runs on this machine must never match ours."""
-    return f"{name}-{uuid.uuid4().hex[:8]}"
 
 
 def mapped_segments(pid: int) -> set[str]:

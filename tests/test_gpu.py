@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from launch import REPO, base_env, run_torchrun, tagged_pids
+from launch import REPO, base_env, run_checked, run_torchrun
 from zen import continuation
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -56,11 +56,9 @@ def test_tp2_on_cuda_under_torchrun_and_mp():
     assert not launch.timed_out and launch.returncode == 0, launch.describe()
     assert launch.stdout == expected
     assert not launch.leftover_pids
-    mp = subprocess.run([sys.executable, *RUN_TP2], cwd=REPO, env=base_env("gpu-mp"),
-                        capture_output=True, text=True, timeout=200)
+    mp = run_checked([sys.executable, *RUN_TP2], "gpu-mp", timeout=200)  # fails on leftover processes
     assert mp.returncode == 0, mp.stderr
     assert mp.stdout == expected
-    assert not tagged_pids("gpu-mp")
 
 
 @pytest.mark.gpu

@@ -8,21 +8,19 @@ whatever the layout.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 
 from engine_helpers import make_tiny_checkpoint
-from launch import REPO, base_env, run_torchrun
+from launch import run_checked, run_torchrun
 from zen import continuation
 
 RUN = [sys.executable, "-m", "spmd_engine.run"]
 
 
 def run_cli(*args, timeout=120):
-    return subprocess.run([*RUN, *map(str, args)], capture_output=True, text=True, timeout=timeout,
-                          cwd=REPO, env=base_env("cli"))
+    return run_checked([*RUN, *args], "cli", timeout)
 
 
 @pytest.fixture(scope="module")
