@@ -57,7 +57,7 @@ def test_sigkill_of_one_mp_worker_fails_the_call_fast():
         with pytest.raises(EngineDeadError, match="cancelled|Executor failed.") as err:
             llm.generate(["Now is", *["Beautiful is"] * 3], [SHORT, LONG, LONG, LONG],
                          progress=kill_on_first_progress(pids[1], record))
-        assert time.monotonic() - record["killed_at"] < 3.0
+        assert time.monotonic() - record["killed_at"] < 5.0  # at once, not at the 300 s call timeout
         assert err.value.partial_outputs == [None] * 4
         # A new call is refused before anything is enqueued.
         with pytest.raises(EngineDeadError, match="Executor failed."):
