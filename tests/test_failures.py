@@ -54,7 +54,9 @@ def test_sigkill_of_one_mp_worker_fails_the_call_fast():
         assert segments and segments <= mapped_segments(os.getpid())
         pids = llm.collective_rpc(lambda worker: os.getpid())
         record: dict = {}
-        with pytest.raises(EngineDeadError, match="cancelled|Executor failed.") as err:
+        # Either the monitor cancels the waiting call, or the surviving worker's all-reduce sees
+        # its dead peer first and reports it; both within moments of the kill.
+        with pytest.raises(EngineDeadError, match=r"cancelled|Executor failed\.|rank 1 in group \(pid \d+\) died") as err:
             llm.generate(["Now is", *["Beautiful is"] * 3], [SHORT, LONG, LONG, LONG],
                          progress=kill_on_first_progress(pids[1], record))
         assert time.monotonic() - record["killed_at"] < 5.0  # at once, not at the 300 s call timeout
@@ -240,7 +242,7 @@ def test_mp_worker_death_exits_1_and_names_the_worker(tmp_path):
     assert not launch.leftover_pids and not out.exists()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(150)
 def test_timeout_flag_ends_an_mp_call_to_a_hung_worker(tmp_path):
     """--timeout: a worker that stops answering (SIGSTOP: alive, so no sentinel fires) makes the
     call fail after the timeout, exit 1, and the stopped worker is still cleaned up."""
@@ -254,12 +256,13 @@ def test_timeout_flag_ends_an_mp_call_to_a_hung_worker(tmp_path):
                 stopped["pid"], stopped["at"] = workers[1], time.monotonic()
                 os.kill(workers[1], signal.SIGSTOP)
 
-    launch = run_cli_launch(["-tp", 2, "--timeout", 5, "--prompt", "Beautiful is", "--output", out],
-                            stop_a_worker_when_ready, timeout=90)
+    # 15 s: the timeout also bounds worker start-up, which takes several seconds on a loaded machine.
+    launch = run_cli_launch(["-tp", 2, "--timeout", 15, "--prompt", "Beautiful is", "--output", out],
+                            stop_a_worker_when_ready, timeout=100)
     ended = time.monotonic()
     assert "pid" in stopped and not launch.timed_out and launch.returncode == 1, launch.describe()
-    assert "timed out" in launch.stderr or "within 5s" in launch.stderr, launch.describe()
-    assert 4.5 < ended - stopped["at"] < 60, launch.describe()  # the 5 s timeout, not the 300 s default
+    assert "timed out after 15s" in launch.stderr or "within 15s" in launch.stderr, launch.describe()
+    assert 14 < ended - stopped["at"] < 75, launch.describe()  # the 15 s timeout, not the 300 s default
     assert not launch.leftover_pids and not pid_alive(stopped["pid"]) and not out.exists()
 
 
