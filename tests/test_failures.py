@@ -281,8 +281,8 @@ def test_signal_stops_cleanly_with_no_partial_output(tmp_path, signum, code):
         line = ""
         while "engine ready" not in line and time.monotonic() < deadline:  # workers are up
             line = proc.stderr.readline()
-        time.sleep(1.0)
-        proc.send_signal(signum)
+        assert "engine ready" in line
+        proc.send_signal(signum)  # on the event, not after a sleep: generation is starting
         assert proc.wait(timeout=20) == code
         deadline = time.monotonic() + 5
         while tagged_pids(tag) and time.monotonic() < deadline:
