@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Write a random-weight HF-format Llama or Qwen2 checkpoint of a chosen shape.
+"""Write a random-weight HF-format Llama, Mistral or Qwen2 checkpoint of a chosen shape.
 
 For tests and benchmarks that need a checkpoint of a given size or sharding
 without downloading one. Tensor names and layout follow HF exactly (separate
@@ -28,7 +28,8 @@ MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Mistra
 
 def hf_config(architecture: str, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
               intermediate_size: int, vocab_size: int, dtype: str, tie_word_embeddings: bool,
-              rope_theta: float, rope_scaling: dict | None, max_position_embeddings: int) -> dict[str, Any]:
+              rope_theta: float, rope_scaling: dict | None, max_position_embeddings: int,
+              head_dim: int | None = None, attention_bias: bool = False, mlp_bias: bool = False) -> dict[str, Any]:
     config = {
         "architectures": [architecture],
         "model_type": MODEL_TYPES[architecture],
@@ -48,6 +49,10 @@ def hf_config(architecture: str, hidden_size: int, num_layers: int, num_heads: i
         "bos_token_id": 1,
         "eos_token_id": 2,
     }
+    if head_dim is not None:
+        config["head_dim"] = head_dim
+    if architecture == "LlamaForCausalLM":
+        config.update(attention_bias=attention_bias, mlp_bias=mlp_bias)
     if architecture == "Qwen2ForCausalLM":
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=num_layers)
     if architecture == "MistralForCausalLM":
@@ -60,8 +65,9 @@ def random_tensors(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]
     gen = torch.Generator().manual_seed(seed)
     h, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    head_dim = h // heads
-    qkv_bias = config["architectures"][0] == "Qwen2ForCausalLM"
+    head_dim = config.get("head_dim") or h // heads
+    qkv_bias = config["architectures"][0] == "Qwen2ForCausalLM" or config.get("attention_bias", False)
+    o_bias, mlp_bias = config.get("attention_bias", False), config.get("mlp_bias", False)
 
     def linear(out_f: int, in_f: int) -> torch.Tensor:
         return torch.randn(out_f, in_f, generator=gen) * in_f ** -0.5
@@ -84,10 +90,16 @@ def random_tensors(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]
             tensors[p + "self_attn.k_proj.bias"] = small(kv_heads * head_dim)
             tensors[p + "self_attn.v_proj.bias"] = small(kv_heads * head_dim)
         tensors[p + "self_attn.o_proj.weight"] = linear(h, heads * head_dim)
+        if o_bias:
+            tensors[p + "self_attn.o_proj.bias"] = small(h)
         tensors[p + "post_attention_layernorm.weight"] = near_one(h)
         tensors[p + "mlp.gate_proj.weight"] = linear(inter, h)
         tensors[p + "mlp.up_proj.weight"] = linear(inter, h)
         tensors[p + "mlp.down_proj.weight"] = linear(h, inter)
+        if mlp_bias:
+            tensors[p + "mlp.gate_proj.bias"] = small(inter)
+            tensors[p + "mlp.up_proj.bias"] = small(inter)
+            tensors[p + "mlp.down_proj.bias"] = small(h)
     tensors["model.norm.weight"] = near_one(h)
     if not config["tie_word_embeddings"]:
         tensors["lm_head.weight"] = linear(vocab, h)
@@ -119,12 +131,14 @@ def make_random_checkpoint(out_dir, architecture: str = "LlamaForCausalLM", hidd
                            intermediate_size: int = 128, vocab_size: int = 256, dtype: str = "float32",
                            num_shards: int = 1, tie_word_embeddings: bool = False, rope_theta: float = 10000.0,
                            rope_scaling: dict | None = None, max_position_embeddings: int = 2048,
-                           seed: int = 0) -> Path:
+                           seed: int = 0, head_dim: int | None = None, attention_bias: bool = False,
+                           mlp_bias: bool = False) -> Path:
     """Write config.json and safetensors file(s) into out_dir; returns out_dir."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     config = hf_config(architecture, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size,
-                       vocab_size, dtype, tie_word_embeddings, rope_theta, rope_scaling, max_position_embeddings)
+                       vocab_size, dtype, tie_word_embeddings, rope_theta, rope_scaling, max_position_embeddings,
+                       head_dim, attention_bias, mlp_bias)
     tensors = {n: t.to(DTYPES[dtype]).contiguous() for n, t in random_tensors(config, seed).items()}
     save_sharded(tensors, out_dir, num_shards)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")

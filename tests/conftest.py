@@ -1,11 +1,29 @@
-"""Suite-wide settings: tests never inherit a launcher's environment by accident."""
+"""Suite-wide settings: tests never inherit a launcher's environment by accident, and
+optional reference packages are a failure (not a skip) under CI."""
 
+import importlib
 import os
 
 import pytest
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                  "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_JOB_ID")
+
+
+def require_reference(module: str):
+    """Import an independent reference package (transformers, tokenizers).
+
+    Locally a missing package skips the test; when the `CI` variable is set it fails it,
+    because `.ci/run` installs `.[test]`, which pins them: a skip there would hide that the
+    comparison never ran.
+    """
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        message = f"reference package {module!r} is not installed ({exc}); pip install -e '.[test]'"
+        if os.environ.get("CI"):
+            pytest.fail(f"CI is set: {message}", pytrace=False)
+        pytest.skip(message)
 
 
 @pytest.fixture(autouse=True)

@@ -2,7 +2,7 @@
 GroupCoordinator attributes the model code uses, run in real processes.
 
 `run_distributed(fn, world_size, *args)` spawns `world_size` processes, joins
-them in a gloo group on a free port (bound to port 0, never hard-coded), calls
+them in a gloo group through a TCPStore the parent hosts on a port the OS picks, calls
 `fn(rank, world_size, *args)` in each, and returns the results by rank. Every
 run is bounded by a timeout and its processes are killed (by pid) if they
 outlive it. Model tests use these plain gloo groups so a layer's arithmetic is
@@ -14,7 +14,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
-import socket
+import datetime
 import traceback
 from typing import Any, Callable, Sequence
 
@@ -89,16 +89,11 @@ def make_grid_groups(tp: int, pp: int) -> tuple[DistGroup, DistGroup] | None:
     return mine if rank < tp * pp else None
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _entry(fn, rank, world_size, port, results, args):
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=datetime.timedelta(seconds=60))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         results.put((rank, True, fn(rank, world_size, *args)))
     except BaseException:  # reported to the parent, which fails the test with it
         results.put((rank, False, traceback.format_exc()))
@@ -111,7 +106,9 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args, timeout: flo
     """fn(rank, world_size, *args) in world_size gloo processes; results by rank."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    # The parent hosts the rendezvous store on a port the OS picks (no bind-close-reuse race).
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    port = store.port
     procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, results, args), daemon=True)
              for r in range(world_size)]
     for p in procs:
@@ -135,6 +132,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args, timeout: flo
             if p.is_alive():
                 os.kill(p.pid, 9)
                 p.join()
+    del store
     if errors:
         raise AssertionError("distributed run failed:\n" + "\n".join(errors))
     return [out[r] for r in range(world_size)]

@@ -19,17 +19,24 @@ import sys
 from pathlib import Path
 
 SRUN = r'''#!{python}
-"""Stand-in srun: -N/--nodes, -n/--ntasks, --ntasks-per-node; other options are accepted and ignored."""
+"""Stand-in srun: -N/--nodes, -n/--ntasks, --ntasks-per-node, -K/--kill-on-bad-exit[=0|1];
+other options are accepted and ignored. As with the real srun, a failing task ends the step
+only with --kill-on-bad-exit (nonzero); otherwise the other tasks run on."""
 import os, signal, subprocess, sys, time
 
 argv, opts = sys.argv[1:], {{}}
 names = {{"-N": "nodes", "--nodes": "nodes", "-n": "ntasks", "--ntasks": "ntasks",
           "--ntasks-per-node": "ntasks_per_node"}}
+kill_on_bad_exit = os.environ.get("SLURM_KILL_BAD_EXIT", "0") not in ("", "0")
 while argv and argv[0].startswith("-"):
     arg = argv.pop(0)
     key, eq, value = arg.partition("=")
     if key in names:
         opts[names[key]] = int(value if eq else argv.pop(0))
+    elif key in ("-K", "--kill-on-bad-exit"):
+        kill_on_bad_exit = (value if eq else "1") != "0"
+    elif key.startswith("-K") and key[2:].isdigit():
+        kill_on_bad_exit = key[2:] != "0"
 env = os.environ
 hosts = env["FAKE_SLURM_HOSTS"].split()
 nodes = opts.get("nodes", int(env.get("SLURM_JOB_NUM_NODES", "1")))
@@ -57,14 +64,18 @@ def stop(*_):
 
 
 signal.signal(signal.SIGTERM, lambda *a: (stop(), sys.exit(143)))
+def running():
+    return [p for p in procs if p.poll() is None]  # polls every task: any() would stop at the first live one
+
+
 rc = 0
-while any(p.poll() is None for p in procs):
+while running():
     bad = [p.returncode for p in procs if p.returncode not in (None, 0)]
-    if bad and not rc:  # --kill-on-bad-exit: one task failed, end the step
+    if bad and not rc and kill_on_bad_exit:  # one task failed: end the step
         rc = bad[0]
         stop()
         deadline = time.monotonic() + 5
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        while running() and time.monotonic() < deadline:
             time.sleep(0.05)
         for p in procs:
             if p.poll() is None:

@@ -4,6 +4,13 @@ Every process a launch starts carries SPMD_TEST_LAUNCH=<tag> in its
 environment. torchrun puts its workers in sessions of their own, so killing
 torchrun's process group is not enough; the tag finds every descendant (even
 one re-parented after its parent died), and only those pids are killed.
+Leftover checks are scoped the same way: to the pids seen with this launch's
+tag and the /dev/shm segments those pids created, never the whole machine
+(other tests run in parallel).
+
+Ports: a single-node torchrun lets its c10d store bind port 0 (no port is picked
+in advance); a fixed port (multi-node launches, ranks started by hand) is retried
+with a new port when the store reports EADDRINUSE.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 SHM_DIR = Path("/dev/shm")
 SHM_PATTERN = re.compile(r"^spmd_ar_(\d+)_[0-9a-f]+$")
+PORT_IN_USE = ("EADDRINUSE", "Address already in use")
 TAG_VAR = "SPMD_TEST_LAUNCH"
 # Launcher variables of an outer job (pytest inside srun or torchrun) must not leak in.
 _STRIP = re.compile(r"^(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|NODE_RANK|"
@@ -59,14 +67,33 @@ def tagged_pids(tag: str) -> list[int]:
     return found
 
 
-def stale_segments() -> list[str]:
-    """Our /dev/shm all-reduce segments whose creator is dead: nobody will unlink them."""
+def stale_segments(creators=None) -> list[str]:
+    """Our /dev/shm all-reduce segments (spmd_ar_<creator pid>_<token>) whose creator is dead:
+    nobody will unlink them. `creators` limits the check to segments made by those pids."""
     stale = []
     for entry in SHM_DIR.glob("spmd_ar_*") if SHM_DIR.is_dir() else []:
         match = SHM_PATTERN.match(entry.name)
-        if match and not Path(f"/proc/{match.group(1)}").exists():
+        if not match or (creators is not None and int(match.group(1)) not in creators):
+            continue
+        if not Path(f"/proc/{match.group(1)}").exists():
             stale.append(entry.name)
     return stale
+
+
+def unique_tag(name: str) -> str:
+    """A launch tag no other test run on this machine can share."""
+    return f"{name}-{uuid.uuid4().hex[:8]}"
+
+
+def run_checked(cmd: list[str], name: str, timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run of one command under a fresh tag, then the leftover check every launch gets:
+    no process carrying the tag may survive it (survivors are killed and fail the test)."""
+    tag = unique_tag(name)
+    proc = subprocess.run([str(c) for c in cmd], cwd=REPO, env=base_env(tag), capture_output=True, text=True,
+                          timeout=timeout, **kwargs)
+    left = _reap(tag)
+    assert not left, f"processes left behind by {cmd}: {left}"
+    return proc
 
 
 def _reap(tag: str, grace_s: float = 3.0) -> list[int]:
@@ -110,19 +137,25 @@ class Launch(subprocess.CompletedProcess):
     """Processes started together: a CompletedProcess (first non-zero exit code,
     joined outputs) plus per-process codes and outputs, timeout flag, leftovers."""
 
-    def __init__(self, cmds: list[list[str]], envs: list[dict[str, str]], tag: str, timeout: float):
+    def __init__(self, cmds: list[list[str]], envs: list[dict[str, str]], tag: str, timeout: float,
+                 on_poll=None):
+        """`on_poll(launch)`, if given, runs every 0.25 s while the processes run: tests trigger
+        events (a kill, a signal) on what the launch has printed so far (`output_so_far`)."""
         self.tag, self.timed_out = tag, False
-        files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in cmds]
-        procs = [subprocess.Popen(cmd, env=env, cwd=REPO, stdout=out, stderr=err, text=True,
-                                  start_new_session=True)
-                 for cmd, env, (out, err) in zip(cmds, envs, files)]
+        self._files = files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in cmds]
+        self.procs = procs = [subprocess.Popen(cmd, env=env, cwd=REPO, stdout=out, stderr=err, text=True,
+                                               start_new_session=True)
+                              for cmd, env, (out, err) in zip(cmds, envs, files)]
+        self.seen_pids: set[int] = {proc.pid for proc in procs}  # every pid that carried the tag
         deadline = time.monotonic() + timeout
-        for proc in procs:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+        while any(proc.poll() is None for proc in procs):
+            if time.monotonic() > deadline:
                 self.timed_out = True
                 break
+            self.seen_pids.update(tagged_pids(tag))
+            if on_poll is not None:
+                on_poll(self)
+            time.sleep(0.25)
         if self.timed_out:
             _stop(procs, tag)
         self.leftover_pids = _reap(tag) if not self.timed_out else _reap(tag, 0.5)
@@ -135,29 +168,53 @@ class Launch(subprocess.CompletedProcess):
         rc = next((rc for rc in self.returncodes if rc != 0), 0)
         super().__init__(cmds, rc, "".join(self.stdouts), "".join(self.stderrs))
 
+    def output_so_far(self) -> str:
+        """Everything the launch's processes have written to stdout and stderr until now."""
+        chunks = []
+        for out, err in self._files:
+            for f in (out, err):
+                size = os.fstat(f.fileno()).st_size
+                chunks.append(os.pread(f.fileno(), size, 0).decode(errors="replace"))
+        return "".join(chunks)
+
+    def stale_segments(self) -> list[str]:
+        """/dev/shm segments created by this launch's processes and left behind."""
+        return stale_segments(self.seen_pids)
+
+    def port_in_use(self) -> bool:
+        """The launcher's store could not listen on its port (taken by someone else meanwhile)."""
+        return self.returncode != 0 and any(needle in self.stderr for needle in PORT_IN_USE)
+
     def describe(self) -> str:
         return (f"rc={self.returncodes} timed_out={self.timed_out} leftovers={self.leftover_pids}\n"
                 f"--- stdout ---\n{self.stdout[-6000:]}\n--- stderr ---\n{self.stderr[-6000:]}")
 
 
 def run_torchrun(nproc: int, args: list[str], timeout: float, env_extra: dict[str, str] | None = None,
-                 nnodes: int = 1, rdzv: bool = False) -> Launch:
+                 nnodes: int = 1, rdzv: bool = False, on_poll=None) -> Launch:
     """`python -m torch.distributed.run` with `nproc` workers per node, `nnodes` agents on this host.
 
-    Static rendezvous (--master-port) by default; `rdzv=True` uses the c10d
-    rendezvous backend, as multi-node sbatch scripts do.
+    One node: a c10d rendezvous whose store binds port 0 (as `--standalone` does), so no
+    port is chosen in advance. Several nodes need a port known to every agent: static
+    rendezvous (--master-port), or c10d with `rdzv=True` as multi-node sbatch scripts do,
+    retried on a new port if the store finds it taken.
     """
-    tag, port = uuid.uuid4().hex[:12], free_port()
-    cmds = []
-    for node in range(nnodes):
-        cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--nnodes", str(nnodes), "--monitor-interval", "0.2"]
-        if rdzv:
-            cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", tag]
-        else:
-            cmd += ["--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port)]
-        cmds.append(cmd + [str(a) for a in args])
-    return Launch(cmds, [base_env(tag, env_extra)] * nnodes, tag, timeout)
+    for attempt in range(3):
+        tag = uuid.uuid4().hex[:12]
+        port = 0 if nnodes == 1 else free_port()
+        cmds = []
+        for node in range(nnodes):
+            cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                   "--nnodes", str(nnodes), "--monitor-interval", "0.2"]
+            if rdzv or nnodes == 1:
+                cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", tag]
+            else:
+                cmd += ["--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port)]
+            cmds.append(cmd + [str(a) for a in args])
+        launch = Launch(cmds, [base_env(tag, env_extra)] * nnodes, tag, timeout, on_poll)
+        if port == 0 or not launch.port_in_use():
+            return launch
+    return launch
 
 
 def run_ranks_with_env(world: int, script_args: list[str], env_per_rank: list[dict[str, str]],
@@ -168,3 +225,14 @@ def run_ranks_with_env(world: int, script_args: list[str], env_per_rank: list[di
     tag = uuid.uuid4().hex[:12]
     cmds = [[PYTHON, *[str(a) for a in script_args]] for _ in range(world)]
     return Launch(cmds, [base_env(tag, e) for e in env_per_rank], tag, timeout)
+
+
+def run_ranks_on_free_port(world: int, script_args: list[str], env_for_rank, timeout: float) -> Launch:
+    """`run_ranks_with_env` with MASTER_ADDR/MASTER_PORT on a port taken from the OS,
+    retried on a new port if rank 0's store finds it taken. `env_for_rank(rank, port)`."""
+    for attempt in range(3):
+        port = free_port()
+        launch = run_ranks_with_env(world, script_args, [env_for_rank(r, port) for r in range(world)], timeout)
+        if not launch.port_in_use():
+            return launch
+    return launch

@@ -30,20 +30,48 @@ def line_prompts() -> list[tuple[str, bytes]]:
     return out
 
 
+def recitation_problems(cases, outs) -> list[str]:
+    """Every prompt's output, exactly its NEW_TOKENS expected bytes, cut by length (not stopped early)."""
+    problems = [] if len(outs) == len(cases) else [f"{len(outs)} outputs for {len(cases)} prompts"]
+    for (prompt, expected), out in zip(cases, outs):
+        completion = out.outputs[0]
+        if completion.token_ids != list(expected) or completion.finish_reason != "length":
+            problems.append(f"{prompt!r}: {completion.finish_reason} after {bytes(t for t in completion.token_ids if t < 256)!r}, "
+                            f"expected {expected!r}")
+    return problems
+
+
+WORLD8 = pytest.mark.xdist_group("world8")  # 8 workers: never two such tests at once
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("layout", [
     dict(tensor_parallel_size=2),
     dict(tensor_parallel_size=4),   # 2 KV heads: each replicated on 2 ranks
-    dict(tensor_parallel_size=8),   # each KV head on 4 ranks, 1 query head per rank
-    dict(pipeline_parallel_size=8),  # one layer per stage
+    pytest.param(dict(tensor_parallel_size=8), marks=WORLD8),   # each KV head on 4 ranks, 1 query head per rank
+    pytest.param(dict(pipeline_parallel_size=8), marks=WORLD8),  # one layer per stage
     dict(pipeline_parallel_size=3, pp_partition="2,5,1"),
-    dict(tensor_parallel_size=2, pipeline_parallel_size=2, data_parallel_size=2),
+    pytest.param(dict(tensor_parallel_size=2, pipeline_parallel_size=2, data_parallel_size=2), marks=WORLD8),
 ], ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
 def test_bundled_model_recites_at_layout(layout):
     cases = line_prompts()
+    assert len(cases) == 19 and all(len(expected) == NEW_TOKENS for _, expected in cases)
     with LLM(max_num_seqs=len(cases), **layout) as llm:
         outs = llm.generate([p for p, _ in cases], SamplingParams(max_tokens=NEW_TOKENS))
-    for (prompt, expected), out in zip(cases, outs):
-        got = bytes(t for t in out.outputs[0].token_ids if t < 256)
-        assert expected.startswith(got) and (len(got) == len(expected) or out.outputs[0].finish_reason == "stop"), \
-            (prompt, got, expected)
+    assert not recitation_problems(cases, outs)
+
+
+def test_recitation_check_catches_early_stop_and_missing_output():
+    """Negative control: the check above fails on an output that stops early or is missing."""
+    from spmd_engine.engine.outputs import CompletionOutput, RequestOutput
+
+    cases = line_prompts()[:3]
+
+    def out(tokens, reason):
+        return RequestOutput("0", "", [], [CompletionOutput(0, "", list(tokens), reason)])
+    good = [out(expected, "length") for _, expected in cases]
+    assert not recitation_problems(cases, good)
+    stopped = [*good[:2], out([*cases[2][1][:10], 257], "stop")]
+    assert recitation_problems(cases, stopped)
+    assert recitation_problems(cases, good[:2])  # zip alone would have hidden the missing one
+    assert recitation_problems(cases, [*good[:2], out(cases[2][1][:-1] + b"!", "length")])

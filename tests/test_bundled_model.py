@@ -14,6 +14,7 @@ import json
 import sys
 
 import pytest
+from conftest import require_reference
 import torch
 
 from fake_groups import SoloGroup
@@ -98,7 +99,7 @@ def test_tokenizer_json_needs_the_tokenizers_package(tmp_path, monkeypatch):
 
 
 def test_tokenizer_json_with_tokenizers_installed(tmp_path):
-    tokenizers = pytest.importorskip("tokenizers")
+    tokenizers = require_reference("tokenizers")
     vocab = {"<s>": 0, "</s>": 1, "hello": 2, "world": 3, "[UNK]": 4}
     tk = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
     tk.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()

@@ -13,15 +13,27 @@ from pathlib import Path
 
 import pytest
 
-from launch import REPO, base_env, run_torchrun, tagged_pids
+from launch import PYTHON, REPO, Launch, base_env, free_port, run_torchrun, tagged_pids, unique_tag
 from spmd_engine import LLM, SamplingParams
 from spmd_engine.engine.core import EngineDeadError
 
 LONG = SamplingParams(max_tokens=800)
+SHORT = SamplingParams(max_tokens=2)  # finishes first: its progress callback is the kill's trigger
 
 
-def our_shm() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob("spmd_*")} if Path("/dev/shm").is_dir() else set()
+def mapped_segments(pid: int) -> set[str]:
+    """Names of spmd_engine shared-memory segments mapped by a process (unlinked ones included)."""
+    with open(f"/proc/{pid}/maps") as f:
+        return {line.split("/dev/shm/", 1)[1].split()[0] for line in f if "/dev/shm/spmd_" in line}
+
+
+def kill_on_first_progress(pid: int, record: dict):
+    """A progress callback that SIGKILLs `pid` when the first request finishes."""
+    def progress(requests, tokens):
+        if "killed_at" not in record:
+            record["killed_at"] = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+    return progress
 
 
 def pid_alive(pid: int) -> bool:
@@ -32,28 +44,22 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
-def kill_later(pid: int, delay: float, record: dict) -> threading.Thread:
-    def run():
-        time.sleep(delay)
-        record["killed_at"] = time.monotonic()
-        os.kill(pid, signal.SIGKILL)
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread
-
-
 @pytest.mark.timeout(120)
 def test_sigkill_of_one_mp_worker_fails_the_call_fast():
     llm = LLM(tensor_parallel_size=2)
     try:
         executor = llm._engine.executor
-        segments = [mq.handle().shm_name.lstrip("/") for mq in [executor.rpc_broadcast_mq, *executor.response_mqs]]
+        segments = {mq.handle().shm_name.lstrip("/") for mq in [executor.rpc_broadcast_mq, *executor.response_mqs]}
+        # The queues are unlinked at start-up (never in /dev/shm), but mapped: the check below can fail.
+        assert segments and segments <= mapped_segments(os.getpid())
         pids = llm.collective_rpc(lambda worker: os.getpid())
         record: dict = {}
-        kill_later(pids[1], 1.0, record)
-        with pytest.raises(EngineDeadError, match="cancelled|Executor failed.") as err:
-            llm.generate(["Beautiful is"] * 4, LONG)
-        assert time.monotonic() - record["killed_at"] < 2.0
+        # Either the monitor cancels the waiting call, or the surviving worker's all-reduce sees
+        # its dead peer first and reports it; both within moments of the kill.
+        with pytest.raises(EngineDeadError, match=r"cancelled|Executor failed\.|rank 1 in group \(pid \d+\) died") as err:
+            llm.generate(["Now is", *["Beautiful is"] * 3], [SHORT, LONG, LONG, LONG],
+                         progress=kill_on_first_progress(pids[1], record))
+        assert time.monotonic() - record["killed_at"] < 5.0  # at once, not at the 300 s call timeout
         assert err.value.partial_outputs == [None] * 4
         # A new call is refused before anything is enqueued.
         with pytest.raises(EngineDeadError, match="Executor failed."):
@@ -65,24 +71,26 @@ def test_sigkill_of_one_mp_worker_fails_the_call_fast():
         assert not any(pid_alive(p) for p in pids)
     finally:
         llm.shutdown()
-    assert not our_shm() & set(segments)  # this executor's queues are gone from /dev/shm
+    assert not mapped_segments(os.getpid()) & segments  # this executor's queues are released
 
 
 @pytest.mark.timeout(180)
-def test_other_dp_replicas_finish_when_one_loses_a_worker():
+def test_a_dp_worker_death_keeps_what_finished_before_it():
     llm = LLM(data_parallel_size=2, tensor_parallel_size=2)
     try:
         pids = llm.collective_rpc(lambda worker: os.getpid())  # replica 0's workers, then replica 1's
         assert len(set(pids)) == 4
         prompts = ["Beautiful is", "Explicit is", "Simple is", "Complex is"]  # replica i gets prompts i::2
         record: dict = {}
-        kill_later(pids[2], 1.0, record)
+        # Replica 0's short request finishing triggers the kill of one of replica 1's workers.
         with pytest.raises(EngineDeadError, match="EngineCore_DP1") as err:
-            llm.generate(prompts, LONG)
+            llm.generate(prompts, [SHORT, LONG, LONG, LONG], progress=kill_on_first_progress(pids[2], record))
         # Issue 15: the healthy replica is stopped too (fail fast, tests/test_dp_fail_fast.py);
-        # what it had finished before the fault is kept, whole.
+        # what had finished before the fault is kept, whole: the short request whose finish
+        # triggered the kill.
         partial = err.value.partial_outputs
         assert partial[1] is None and partial[3] is None
+        assert partial[0].outputs[0].text == " b" and partial[0].outputs[0].finish_reason == "length"
         assert all(p is None or p.outputs[0].finish_reason is not None for p in partial)
     finally:
         llm.shutdown()
@@ -95,6 +103,8 @@ from spmd_engine import LLM, SamplingParams
 if __name__ == "__main__":
     llm = LLM(tensor_parallel_size=2)
     print(*llm.collective_rpc(lambda w: os.getpid()), flush=True)
+    llm.generate(["Now is"], SamplingParams(max_tokens=2))
+    print("generating", flush=True)
     while True:
         llm.generate(["Beautiful is"], SamplingParams(max_tokens=800))
 """
@@ -104,13 +114,13 @@ if __name__ == "__main__":
 def test_workers_exit_when_the_engine_is_sigkilled(tmp_path):
     script = tmp_path / "engine.py"
     script.write_text(ENGINE_SCRIPT)
-    env = base_env("engine-death")
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env,
+    tag = unique_tag("engine-death")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=base_env(tag),
                             cwd=REPO, start_new_session=True)
     try:
         workers = [int(p) for p in proc.stdout.readline().split()]
         assert len(workers) == 2
-        time.sleep(1.0)
+        assert proc.stdout.readline() == "generating\n"  # a call has run: workers are in their loop
         proc.kill()
         proc.wait(timeout=10)
         deadline = time.monotonic() + 5
@@ -121,7 +131,7 @@ def test_workers_exit_when_the_engine_is_sigkilled(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        for pid in tagged_pids("engine-death"):
+        for pid in tagged_pids(tag):
             os.kill(pid, signal.SIGKILL)
 
 
@@ -140,34 +150,122 @@ def pids_with_env(marker: str) -> dict[int, int]:
     return found
 
 
+def all_ranks_ready(launch, world: int) -> bool:
+    """Every rank has logged `engine ready` (after it, generation starts)."""
+    text = launch.output_so_far()
+    return all(f"[rank{r}] engine ready" in text for r in range(world))
+
+
 @pytest.mark.timeout(120)
 def test_sigkill_of_one_torchrun_rank_ends_the_job(tmp_path):
     out = tmp_path / "out.jsonl"
-    marker = f"rankdeath{os.getpid()}"
+    marker = unique_tag("rankdeath")
     result: dict = {}
 
-    def killer():
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+    def kill_rank_2_when_ready(launch):
+        if "killed_at" not in result and all_ranks_ready(launch, 4):
             ranks = pids_with_env(marker)
-            if len(ranks) == 4:
-                time.sleep(5.0)  # past start-up, into generation
-                result["killed_at"] = time.monotonic()
-                os.kill(ranks[2], signal.SIGKILL)
-                return
-            time.sleep(0.1)
+            result["killed_at"] = time.monotonic()
+            os.kill(ranks[2], signal.SIGKILL)
 
-    thread = threading.Thread(target=killer, daemon=True)
-    thread.start()
     launch = run_torchrun(4, ["-m", "spmd_engine.run", "-tp", 2, "-pp", 2, "--prompt", "Beautiful is",
-                              "--output", out, "--quiet"], timeout=100, env_extra={"SPMD_TEST_MARKER": marker})
+                              "--output", out], timeout=100, env_extra={"SPMD_TEST_MARKER": marker},
+                          on_poll=kill_rank_2_when_ready)
     ended_at = time.monotonic()
-    thread.join(timeout=1)
     assert "killed_at" in result, launch.describe()
     assert launch.returncode != 0 and not launch.timed_out, launch.describe()
-    assert ended_at - result["killed_at"] < 10
-    assert not launch.leftover_pids
+    assert ended_at - result["killed_at"] < 15, launch.describe()  # the collective timeout is 300 s
+    assert not launch.leftover_pids and not launch.stale_segments()
     assert not out.exists()
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_under_torchrun_stops_every_rank_and_frees_shared_memory(tmp_path):
+    """SIGTERM to torchrun (what SLURM sends at the time limit) once both ranks generate:
+    everything stops, no output file, and the all-reduce segments the ranks had are gone."""
+    out = tmp_path / "out.jsonl"
+    seen: dict = {"segments": set()}
+
+    def terminate_when_ready(launch):
+        for pid in launch.seen_pids:
+            try:
+                seen["segments"] |= {s for s in mapped_segments(pid) if s.startswith("spmd_ar_")}
+            except OSError:
+                pass
+        if "sent" not in seen and all_ranks_ready(launch, 2):
+            seen["sent"] = time.monotonic()
+            launch.procs[0].send_signal(signal.SIGTERM)
+
+    launch = run_torchrun(2, ["-m", "spmd_engine.run", "-tp", 2, "--prompt", "Beautiful is", "--output", out],
+                          timeout=100, on_poll=terminate_when_ready)
+    assert "sent" in seen and not launch.timed_out and launch.returncode != 0, launch.describe()
+    assert seen["segments"], "the ranks never mapped an all-reduce segment: the check below would be empty"
+    assert not launch.leftover_pids and not tagged_pids(launch.tag)
+    assert not launch.stale_segments()
+    assert not [s for s in seen["segments"] if (Path("/dev/shm") / s).exists()]
+    assert list(tmp_path.iterdir()) == []
+
+
+def worker_pids(parent: int) -> list[int]:
+    """mp workers (multiprocessing spawn children) of a process."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            cmdline = (entry / "cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        if int(stat[1]) == parent and b"spawn_main" in cmdline:
+            found.append(int(entry.name))
+    return sorted(found)
+
+
+def run_cli_launch(args, on_poll, timeout=100) -> Launch:
+    tag = unique_tag("cli-failure")
+    return Launch([[PYTHON, "-m", "spmd_engine.run", *map(str, args)]], [base_env(tag)], tag, timeout, on_poll)
+
+
+@pytest.mark.timeout(120)
+def test_mp_worker_death_exits_1_and_names_the_worker(tmp_path):
+    """README: a runtime failure exits 1; the log names the dead worker (rank, pid, signal)."""
+    out = tmp_path / "out.jsonl"
+    killed: dict = {}
+
+    def kill_a_worker_when_ready(launch):
+        if "pid" not in killed and "engine ready" in launch.output_so_far():
+            workers = worker_pids(launch.procs[0].pid)
+            if len(workers) == 2:
+                killed["pid"] = workers[1]
+                os.kill(workers[1], signal.SIGKILL)
+
+    launch = run_cli_launch(["-tp", 2, "--prompt", "Beautiful is", "--output", out], kill_a_worker_when_ready)
+    assert "pid" in killed and not launch.timed_out and launch.returncode == 1, launch.describe()
+    assert f"pid {killed['pid']}) died unexpectedly with signal SIGKILL" in launch.stderr, launch.describe()
+    assert not launch.leftover_pids and not out.exists()
+
+
+@pytest.mark.timeout(150)
+def test_timeout_flag_ends_an_mp_call_to_a_hung_worker(tmp_path):
+    """--timeout: a worker that stops answering (SIGSTOP: alive, so no sentinel fires) makes the
+    call fail after the timeout, exit 1, and the stopped worker is still cleaned up."""
+    out = tmp_path / "out.jsonl"
+    stopped: dict = {}
+
+    def stop_a_worker_when_ready(launch):
+        if "pid" not in stopped and "engine ready" in launch.output_so_far():
+            workers = worker_pids(launch.procs[0].pid)
+            if len(workers) == 2:
+                stopped["pid"], stopped["at"] = workers[1], time.monotonic()
+                os.kill(workers[1], signal.SIGSTOP)
+
+    # 15 s: the timeout also bounds worker start-up, which takes several seconds on a loaded machine.
+    launch = run_cli_launch(["-tp", 2, "--timeout", 15, "--prompt", "Beautiful is", "--output", out],
+                            stop_a_worker_when_ready, timeout=100)
+    ended = time.monotonic()
+    assert "pid" in stopped and not launch.timed_out and launch.returncode == 1, launch.describe()
+    assert "timed out after 15s" in launch.stderr or "within 15s" in launch.stderr, launch.describe()
+    assert 14 < ended - stopped["at"] < 75, launch.describe()  # the 15 s timeout, not the 300 s default
+    assert not launch.leftover_pids and not pid_alive(stopped["pid"]) and not out.exists()
 
 
 @pytest.mark.timeout(120)
@@ -175,7 +273,7 @@ def test_sigkill_of_one_torchrun_rank_ends_the_job(tmp_path):
                          ids=["SIGTERM", "SIGINT"])
 def test_signal_stops_cleanly_with_no_partial_output(tmp_path, signum, code):
     out = tmp_path / "out.jsonl"
-    tag = f"signal{int(signum)}"
+    tag = unique_tag(f"signal{int(signum)}")
     env = base_env(tag)
     proc = subprocess.Popen([sys.executable, "-m", "spmd_engine.run", "-tp", "2", "--prompt", "Beautiful is",
                              "--output", str(out)], stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
@@ -185,8 +283,8 @@ def test_signal_stops_cleanly_with_no_partial_output(tmp_path, signum, code):
         line = ""
         while "engine ready" not in line and time.monotonic() < deadline:  # workers are up
             line = proc.stderr.readline()
-        time.sleep(1.0)
-        proc.send_signal(signum)
+        assert "engine ready" in line
+        proc.send_signal(signum)  # on the event, not after a sleep: generation is starting
         assert proc.wait(timeout=20) == code
         deadline = time.monotonic() + 5
         while tagged_pids(tag) and time.monotonic() < deadline:
@@ -200,31 +298,31 @@ def test_signal_stops_cleanly_with_no_partial_output(tmp_path, signum, code):
             proc.wait()
 
 
-def launch_ranks_by_hand(args_per_rank: list[list[str]], tag: str) -> list[subprocess.Popen]:
-    """torchrun's environment, set by hand, so each rank can get different flags."""
-    from launch import free_port
-    port, world = free_port(), len(args_per_rank)
-    procs = []
-    for rank, args in enumerate(args_per_rank):
-        env = base_env(tag, {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                             "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-                             "MASTER_PORT": str(port)})
-        procs.append(subprocess.Popen([sys.executable, "-m", "spmd_engine.run", *args], env=env, cwd=REPO,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    return procs
+def launch_ranks_by_hand(args_per_rank: list[list[str]], timeout: float = 60) -> Launch:
+    """torchrun's environment, set by hand, so each rank can get different flags; rank 0's
+    store port is retried if it was taken meanwhile."""
+    world = len(args_per_rank)
+    for attempt in range(3):
+        port, tag = free_port(), unique_tag("by-hand")
+        envs = [base_env(tag, {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+                               "MASTER_PORT": str(port)}) for rank in range(world)]
+        launch = Launch([[PYTHON, "-m", "spmd_engine.run", *args] for args in args_per_rank], envs, tag, timeout)
+        if not launch.port_in_use():
+            return launch
+    return launch
 
 
 @pytest.mark.timeout(120)
-def test_ranks_started_with_different_flags_all_exit_2():
-    procs = launch_ranks_by_hand([["-tp", "2", "--max-tokens", "5"], ["-tp", "2", "--max-tokens", "6"]], "flags")
-    try:
-        results = [(p.wait(timeout=60), p.stderr.read()) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert [code for code, _ in results] == [2, 2]
-    assert "error: ranks [1] were started with different flags or prompts than rank 0" in results[0][1]
+@pytest.mark.parametrize("differing", [
+    (["--max-tokens", "5"], ["--max-tokens", "6"]),
+    (["--prompt", "Beautiful is"], ["--prompt", "Simple is"]),
+], ids=["flags", "prompts"])
+def test_ranks_started_with_different_flags_or_prompts_all_exit_2(differing):
+    launch = launch_ranks_by_hand([["-tp", "2", "--prompt", "Now is", *extra] for extra in differing])
+    assert not launch.timed_out and launch.returncodes == [2, 2], launch.describe()
+    assert "error: ranks [1] were started with different flags or prompts than rank 0" in launch.stderrs[0]
+    assert not launch.leftover_pids
 
 
 @pytest.mark.timeout(180)
@@ -236,7 +334,7 @@ def test_two_jobs_on_one_machine_at_once(tmp_path):
             "--quiet"], timeout=150)) for o in outs]
     mp_job = subprocess.Popen([sys.executable, "-m", "spmd_engine.run", "-tp", "2", "--prompt", "Errors should",
                                "--max-tokens", "30", "--output", str(tmp_path / "c.jsonl"), "--quiet"],
-                              env=base_env("twojobs"), cwd=REPO)
+                              env=base_env(unique_tag("twojobs")), cwd=REPO)
     for job in jobs:
         job.start()
     for job in jobs:

@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 import pytest
+from conftest import require_reference
 import torch
 import torch.nn.functional as F
 
@@ -308,7 +309,7 @@ def test_rope_scaling_llama3_bands():
 
 
 def test_rope_scaling_llama3_matches_transformers():
-    rope_utils = pytest.importorskip("transformers.modeling_rope_utils")
+    rope_utils = require_reference("transformers.modeling_rope_utils")
     from transformers import LlamaConfig
 
     from spmd_engine.model.rotary import inv_frequencies

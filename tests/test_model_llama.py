@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import require_reference
 import torch
 
 from fake_groups import ShardOnlyGroup, SoloGroup, make_grid_groups, run_distributed
@@ -481,12 +482,12 @@ def test_corrupt_and_missing_safetensors_files(tmp_path):
         load_model(path, SoloGroup(), SoloGroup())
 
 
-# ---------------------------------------------------------------- against transformers (optional)
+# ---------------------------------------------------------------- against transformers (installed by .[test]; required under CI)
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("ckpt", ["llama", "qwen_tied"])
 def test_logits_match_transformers(checkpoints, ckpt):
-    transformers = pytest.importorskip("transformers")
+    transformers = require_reference("transformers")
     hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoints[ckpt], dtype=torch.float32).eval()
     solo = SoloGroup()
     ours = load_model(checkpoints[ckpt], solo, solo)

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -85,6 +86,7 @@ def test_human_readable_plan_shows_grid_groups_processes():
     assert "EngineCore_DP1 (own process) -> 4 workers, devices 4..7" in out
 
 
+@pytest.mark.xdist_group("world8")
 @pytest.mark.timeout(120)
 def test_live_check_under_torchrun():
     from launch import run_torchrun
@@ -92,6 +94,40 @@ def test_live_check_under_torchrun():
     assert launch.returncode == 0, launch.describe()
     verdicts = [line for line in launch.stdout.splitlines() if line.strip()]
     assert len(verdicts) == 1 and verdicts[0].startswith("live check passed: 8 ranks"), launch.describe()
+    assert not launch.leftover_pids
+
+
+@pytest.mark.timeout(120)
+def test_live_check_fails_on_a_corrupted_group_table():
+    """Negative control: TP groups built from a table with two ranks swapped ([0, 3] [1, 2]
+    instead of [0, 1] [2, 3]) come up fine, and the live check must say they are wrong, exit 1."""
+    from launch import run_torchrun
+    script = str(Path(__file__).parent / "dist_scripts" / "live_check_corrupt.py")
+    launch = run_torchrun(4, [script, "-tp", "2", "-pp", "2", "--live"], timeout=100)
+    assert not launch.timed_out and launch.returncode == 1, launch.describe()
+    verdicts = [line for line in launch.stdout.splitlines() if line.strip()]
+    assert len(verdicts) == 1 and verdicts[0].startswith("live check FAILED: 4 mismatch(es)"), launch.describe()
+    assert "rank 0 tp: expected [0, 1], got [0, 3]" in verdicts[0], verdicts
+    assert not launch.leftover_pids
+
+
+@pytest.mark.timeout(120)
+def test_live_check_under_srun(tmp_path):
+    """srun alone (the stand-in, SLURM_* variables only, no torchrun): 2 "nodes" x 2 tasks."""
+    import fake_slurm
+    from launch import PYTHON, Launch, base_env
+
+    bin_dir = fake_slurm.install(tmp_path / "bin")
+    for attempt in range(3):
+        tag = f"live-srun-{attempt}-{os.getpid()}"
+        env = base_env(tag, fake_slurm.batch_env(bin_dir, nodes=2, ntasks=4))
+        launch = Launch([[str(bin_dir / "srun"), "-N", "2", "-n", "4", PYTHON, "-m", "spmd_engine.plan", "-tp", "2", "-pp", "2",
+                          "--live"]], [env], tag, timeout=100)
+        if not launch.port_in_use():
+            break
+    assert not launch.timed_out and launch.returncode == 0, launch.describe()
+    verdicts = [line for line in launch.stdout.splitlines() if line.strip()]
+    assert len(verdicts) == 1 and verdicts[0].startswith("live check passed: 4 ranks"), launch.describe()
     assert not launch.leftover_pids
 
 

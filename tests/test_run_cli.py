@@ -8,21 +8,19 @@ whatever the layout.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 
 from engine_helpers import make_tiny_checkpoint
-from launch import REPO, base_env, run_torchrun
+from launch import run_checked, run_torchrun
 from zen import continuation
 
 RUN = [sys.executable, "-m", "spmd_engine.run"]
 
 
 def run_cli(*args, timeout=120):
-    return subprocess.run([*RUN, *map(str, args)], capture_output=True, text=True, timeout=timeout,
-                          cwd=REPO, env=base_env("cli"))
+    return run_checked([*RUN, *args], "cli", timeout)
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +37,15 @@ def test_plain_run_recites_the_training_text(uni_stdout):
     assert body == "Beautiful is" + continuation("Beautiful is") + "\n"
 
 
+@pytest.mark.timeout(180)
+def test_mp_tp2_pp2_prints_the_same_text(uni_stdout):
+    """The README's `python -m spmd_engine.run -tp 2 -pp 2 --prompt "Beautiful is"` (mp: 4 workers)."""
+    proc = run_cli("-tp", 2, "-pp", 2, "--prompt", "Beautiful is", "--quiet", timeout=160)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == uni_stdout
+
+
+@pytest.mark.xdist_group("world8")
 @pytest.mark.timeout(300)
 def test_torchrun_world8_tp2_pp2_dp2_prints_the_same_text(uni_stdout):
     launch = run_torchrun(8, ["-m", "spmd_engine.run", "-tp", 2, "-pp", 2, "-dp", 2,

@@ -24,15 +24,19 @@ def test_seeded_stream_does_not_depend_on_batch():
     logits = torch.randn(3, 50)
     params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9)
 
-    def draws(batch_ids, rows):
+    seeds = {"a": 11, "b": 22, "c": 33}  # fixed: hash(str) changes with every interpreter
+
+    def draws(batch_ids, rows, seeds=seeds):
         s = Sampler()
         for rid in batch_ids:
-            s.add_request(rid, params, seed=hash(rid) % 1000)
-        return [s.sample(batch_ids, logits[rows])[0] for _ in range(5)]
+            s.add_request(rid, params, seed=seeds[rid])
+        return [s.sample(batch_ids, logits[rows])[0] for _ in range(8)]
 
     alone = draws(["b"], [1])
     batched = draws(["a", "b", "c"], [0, 1, 2])
     assert [t[0] for t in alone] == [t[1] for t in batched]
+    # Negative control: the stream is the seed's (another seed for "b" draws other tokens).
+    assert [t[0] for t in draws(["b"], [1], {"b": 23})] != [t[0] for t in alone]
 
 
 def test_top_k_1_and_tiny_top_p_are_greedy():

@@ -15,12 +15,13 @@ import uuid
 import pytest
 
 import fake_slurm
-from launch import PYTHON, REPO, Launch, base_env, stale_segments
+from launch import PYTHON, REPO, Launch, base_env
 
 SLURM_DIR = REPO / "scripts" / "slurm"
 PROMPTS = [{"prompt": "Simple is"}, {"prompt": "Errors should"}, {"prompt_token_ids": [256, 70, 108, 97]},
            {"prompt": "Now is"}, {"prompt": "Readability"}]
-FLAGS = ["--max-tokens", "24", "--seed", "3", "--quiet"]
+# Seeded sampling (not greedy), so every launch must reproduce the seed's draws, not just argmaxes.
+FLAGS = ["--max-tokens", "24", "--temperature", "2.0", "--seed", "3", "--quiet"]
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +39,11 @@ def reference(prompts_file, tmp_path_factory):
                            "--output", str(out)], cwd=REPO, env=base_env("slurm-ref"), capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+    other = out.with_name("seed4.jsonl")  # negative control: another seed, other tokens
+    proc = subprocess.run([PYTHON, "-m", "spmd_engine.run", "--prompts-file", str(prompts_file),
+                           *[("4" if f == "3" else f) for f in FLAGS], "--output", str(other)], cwd=REPO,
+                          env=base_env("slurm-ref"), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and other.read_text() != out.read_text(), proc.stderr
     return out.read_text()
 
 
@@ -51,7 +57,7 @@ def run_sbatch(script: str, tmp_path, nodes: int, ntasks: int, args=(), timeout=
 def check_launch(launch: Launch, out, reference) -> None:
     assert not launch.timed_out and launch.returncode == 0, launch.describe()
     assert out.read_text() == reference, launch.describe()
-    assert not launch.leftover_pids and not stale_segments(), launch.describe()
+    assert not launch.leftover_pids and not launch.stale_segments(), launch.describe()
 
 
 @pytest.mark.timeout(180)
@@ -102,4 +108,40 @@ def test_srun_direct_bad_flag_ends_every_task(tmp_path):
                         TP=3)
     assert not launch.timed_out and launch.returncode == 2, launch.describe()
     assert launch.stderr.count("error: tensor_parallel_size 3 must divide") == 1, launch.describe()
+    assert not launch.leftover_pids
+
+
+def one_task_fails(tmp_path) -> str:
+    """An interpreter for the scripts' PYTHON: task 1 exits 3 at once, the others run the engine
+    (and, their peer never arriving, would wait for it until --timeout)."""
+    wrapper = tmp_path / "python_task1_fails"
+    wrapper.write_text(f'#!/bin/bash\n[[ "$SLURM_PROCID" == 1 ]] && exit 3\nexec {PYTHON} "$@"\n')
+    wrapper.chmod(0o755)
+    return str(wrapper)
+
+
+@pytest.mark.timeout(120)
+def test_srun_direct_one_failing_task_ends_the_step(tmp_path):
+    """srun --kill-on-bad-exit=1 in the script: one task exiting 3 ends the step at once,
+    although the engine's own timeout (--timeout 300) would keep task 0 waiting for minutes."""
+    launch = run_sbatch("srun_direct.sbatch", tmp_path, nodes=1, ntasks=2, timeout=60,
+                        args=["--prompt", "x", "--timeout", "300"], TP=2, PYTHON=one_task_fails(tmp_path))
+    assert not launch.timed_out and launch.returncode == 3, launch.describe()
+    assert not launch.leftover_pids and not launch.stale_segments(), launch.describe()
+
+
+@pytest.mark.timeout(120)
+def test_negative_control_without_kill_on_bad_exit_the_step_hangs(tmp_path):
+    """The same launch from a copy of the script without --kill-on-bad-exit: the stand-in srun,
+    like the real one, lets task 0 wait on, so only the harness's limit ends it. This is what
+    the test above would see if the flag were dropped from the script."""
+    script = (SLURM_DIR / "srun_direct.sbatch").read_text()
+    assert script.count("srun --kill-on-bad-exit=1 ") == 1
+    copy = tmp_path / "srun_direct_no_kill.sbatch"
+    copy.write_text(script.replace("srun --kill-on-bad-exit=1 ", "srun "))
+    bin_dir = fake_slurm.install(tmp_path / "bin")
+    tag = uuid.uuid4().hex[:12]
+    env = base_env(tag, fake_slurm.batch_env(bin_dir, 1, 2, TP=2, PYTHON=one_task_fails(tmp_path)))
+    launch = Launch([["bash", str(copy), "--prompt", "x", "--timeout", "300"]], [env], tag, timeout=20)
+    assert launch.timed_out, launch.describe()
     assert not launch.leftover_pids

@@ -90,6 +90,7 @@ class MultiprocExecutor(Executor):
                 return
             _self.is_failed = True
             dead = next(w for w in workers if w.proc.sentinel in died)
+            dead.proc.join(timeout=1.0)  # the sentinel can fire before the exit status is reapable
             logger.error("Worker proc %s (local rank %d, pid %d) died unexpectedly with %s, "
                          "shutting down executor.", dead.name, dead.local_rank, dead.proc.pid,
                          _exit_description(dead.proc.exitcode))

@@ -240,7 +240,9 @@ def run_dead(out: str) -> dict:
 
 
 def run_hang(out: str) -> dict:
-    """Block forever in an all-reduce (rank 1 never joins): the launcher must clean up."""
+    """Rank 1 never joins the second all-reduce: only the product's collective timeout
+    (SPMD_ENGINE_TIMEOUT_S) can end rank 0's wait; rank 0 then fails and torchrun ends rank 1."""
+    wait_for_all_started(out, int(os.environ["WORLD_SIZE"]))
     sd.init_distributed_environment()
     sd.initialize_model_parallel(ParallelConfig(tensor_parallel_size=dist.get_world_size()))
     tp = sd.get_tp_group()
@@ -248,7 +250,12 @@ def run_hang(out: str) -> dict:
     open(os.path.join(out, f"ready{dist.get_rank()}"), "w").close()
     if dist.get_rank() == 1:
         time.sleep(3600)
-    tp.all_reduce(torch.ones(4))
+    start = time.monotonic()
+    try:
+        tp.all_reduce(torch.ones(4))
+    except TimeoutError as exc:
+        ERRORS.append(f"TimeoutError: {exc}")
+        return {"elapsed": time.monotonic() - start}
     return {}
 
 

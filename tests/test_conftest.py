@@ -1,0 +1,35 @@
+"""The suite's own rules: a missing reference package skips locally and fails under CI."""
+
+import pytest
+from _pytest.outcomes import Failed, Skipped
+
+from conftest import require_reference
+
+
+def test_reference_package_is_imported_when_present():
+    assert require_reference("json").dumps([1]) == "[1]"
+
+
+def test_missing_reference_skips_locally(monkeypatch):
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(Skipped, match="no_such_reference_pkg"):
+        require_reference("no_such_reference_pkg")
+
+
+def test_missing_reference_fails_under_ci(monkeypatch):
+    """Negative control for CI: the same missing package is a failure, never a skip."""
+    monkeypatch.setenv("CI", "1")
+    with pytest.raises(Failed, match="CI is set: reference package 'no_such_reference_pkg'"):
+        require_reference("no_such_reference_pkg")
+
+
+def test_ci_runs_the_readme_test_command_verbatim():
+    """.ci/run's command is the README's, character for character, and prints skip reasons."""
+    from launch import REPO
+
+    readme = (REPO / "README.md").read_text()
+    block = readme.split("**Run the whole test suite**", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    ci_lines = (REPO / ".ci" / "run").read_text().strip().splitlines()
+    assert block.strip() == ci_lines[-1], (block, ci_lines[-1])
+    assert " -rs " in ci_lines[-1] and "'.[test]'" in ci_lines[-1]
+    assert any(line.startswith('export CI="${CI:-1}"') for line in ci_lines)  # missing references fail
