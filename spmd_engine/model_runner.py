@@ -47,10 +47,20 @@ class ModelRunner:
         from spmd_engine.model.packed_weights import pack_linear_weights, packing_applies
         mc = self.config.model_config
         self.model = load_model(mc.model_dir, self.tp_group, self.pp_group, dtype=mc.dtype,
-                                device=self.device, pp_partition=mc.pp_partition)
+                                device=self.device, pp_partition=mc.pp_partition,
+                                load_format=mc.load_format)
         if packing_applies(self.model.dtype, self.device):
             packed = pack_linear_weights(self.model, batch_hint=self.config.scheduler_config.max_num_seqs)
             logger.debug("%d linear weights packed for oneDNN", packed)
+
+    def load_weights(self, weights) -> set[str]:
+        """In-place update from (HF name, full tensor) pairs: `CausalLM.update_weights`."""
+        return self.model.update_weights(weights)
+
+    def reload_weights(self) -> set[str]:
+        """Read this rank's tensors from the model directory on disk again."""
+        from spmd_engine.model.loader import checkpoint_weights
+        return self.model.update_weights(checkpoint_weights(self.model, self.config.model_config.model_dir))
 
     def kv_budget_bytes(self) -> int:
         """This rank's KV budget from its device's memory (kv_sizing's rules)."""

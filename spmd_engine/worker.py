@@ -108,6 +108,21 @@ class Worker:
     def model(self):
         return self.model_runner.model if self.model_runner is not None else None
 
+    @property
+    def worker(self) -> "Worker":
+        """Itself: trainers reach the model as `driver_worker.worker.model_runner.model` (vLLM's
+        driver worker is a wrapper whose `.worker` is the Worker)."""
+        return self
+
+    # -- weights (RL trainers) ---------------------------------------------------
+    def load_weights(self, weights) -> set[str]:
+        """Copy (HF name, full tensor) pairs into this rank's shard; returns the names it used."""
+        return self.model_runner.load_weights(weights)
+
+    def reload_weights(self) -> set[str]:
+        """Read this rank's weights from the model directory on disk again."""
+        return self.model_runner.reload_weights()
+
     def determine_num_kv_blocks(self) -> tuple[int, int]:
         """(blocks, bytes per token): this rank's budget in blocks, the minimum over the world."""
         import torch.distributed as dist

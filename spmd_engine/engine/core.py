@@ -40,6 +40,11 @@ class EngineCore:
         kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config, kv, eos_token_id)
 
+    @property
+    def model_executor(self) -> Executor:
+        """vLLM's name for the executor (trainers reach `model_executor.driver_worker`)."""
+        return self.executor
+
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
 

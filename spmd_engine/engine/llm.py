@@ -41,7 +41,8 @@ class LLM:
                  pp_partition: str | None = None, device: str | None = None, timeout_s: float | None = None,
                  nnodes: int = 1, block_size: int = 16, gpu_memory_utilization: float = 0.9,
                  kv_cache_memory_bytes: int | None = None, max_num_batched_tokens: int | None = None,
-                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True):
+                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
+                 load_format: str = "auto"):
         from spmd_engine.engine.input_processor import InputProcessor
         from spmd_engine.model.partition import check_model_parallel, parse_pp_partition
 
@@ -56,7 +57,7 @@ class LLM:
         if parallel.prefill_context_parallel_size > 1 or parallel.decode_context_parallel_size > 1:
             raise ConfigError("context parallelism (PCP/DCP > 1) is planned but not implemented in the "
                               "model yet; use spmd_engine.plan to inspect such layouts")
-        model_config = ModelConfig(model=model, dtype=dtype, pp_partition=pp_partition)
+        model_config = ModelConfig(model=model, dtype=dtype, pp_partition=pp_partition, load_format=load_format)
         self.inputs = InputProcessor(model_config.model_dir, max_model_len)
         self.hf_config, self.tokenizer = self.inputs.hf_config, self.inputs.tokenizer
         self.max_model_len = self.inputs.max_model_len
@@ -79,6 +80,7 @@ class LLM:
             cache_config=cache, seed=seed, device=device or _default_device(), timeout_s=timeout_s,
         )
         check_kv_budget_up_front(self.config, self.hf_config, spec)
+        self.model_spec = spec
         self.seed = seed
         self._next_request = 0
         self._engine = self._make_engine()
@@ -176,9 +178,45 @@ class LLM:
         return [self._engine.get_stats()]
 
     # -- workers ------------------------------------------------------------------
+    @property
+    def llm_engine(self):
+        """The engine this process drives (vLLM's `llm.llm_engine`): with one replica here its
+        `model_executor.driver_worker.model_runner.model` is this rank's CausalLM (uni and
+        external_launcher; under mp the model lives in the workers: use collective_rpc)."""
+        return self._engine
+
     def collective_rpc(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None,
                        unique_reply_rank: int | None = None) -> list[Any]:
+        """Call a Worker method on every worker of each replica this process drives. Besides the
+        engine's own, `load_weights` ((HF name, full tensor) pairs: an in-place update) and
+        `reload_weights` (from the model directory) are there for trainers; after either, call
+        `reset_prefix_cache()`, or cached blocks keep serving keys and values of the old weights."""
+        if method == "load_weights":
+            args = (self._checked_weights(*args, **(kwargs or {})),)
+            kwargs = None
         return self._engine.collective_rpc(method, args, kwargs, unique_reply_rank)
+
+    def _checked_weights(self, weights) -> list[tuple[str, Any]]:
+        """The pairs as a list, each name and full shape checked here, so a bad one is a ValueError
+        before any worker sees it (a worker's exception would fail an mp executor)."""
+        from collections.abc import Mapping
+
+        from spmd_engine.model.llama import _skipped_name, hf_tensor_shapes
+        shapes = hf_tensor_shapes(self.model_spec)
+        pairs = list(weights.items() if isinstance(weights, Mapping) else weights)
+        for pair in pairs:
+            if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and isinstance(pair[0], str)):
+                raise ValueError(f"load_weights expects (name, tensor) pairs, got {type(pair).__name__}")
+            name, tensor = pair
+            if _skipped_name(name):
+                continue
+            if name not in shapes:
+                raise ValueError(f"load_weights: unknown weight name {name!r} (not a tensor of this "
+                                 f"{self.model_spec.architecture} model)")
+            if tuple(getattr(tensor, "shape", ())) != shapes[name]:
+                raise ValueError(f"load_weights: {name} has shape {list(getattr(tensor, 'shape', ()))}, "
+                                 f"expected {list(shapes[name])}")
+        return pairs
 
     @property
     def replica_index(self) -> int:

@@ -1,0 +1,193 @@
+"""In-place weight updates for RL trainers (issue 13): `model.load_weights(pairs)` where trainers
+reach it, `collective_rpc("load_weights" | "reload_weights")`, `load_format="dummy"`, and the
+prefix cache reset that must follow an update.
+
+Two tiny random checkpoints (seeds 0 and 1) stand for the weights before and after an
+optimizer step: after loading the second one's tensors into an engine started on the first,
+greedy outputs must equal a fresh engine on the second, token for token.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from engine_helpers import make_tiny_checkpoint, reference_greedy
+from spmd_engine import LLM, SamplingParams
+
+# The first prompt spans two full 16-token blocks: a second generate hits the prefix cache.
+PROMPTS = [list(range(1, 40)), [4, 5, 6, 7, 8], [9, 10]]
+MAX_TOKENS = 8
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    old = make_tiny_checkpoint(tmp_path_factory.mktemp("old"), seed=0)
+    new = make_tiny_checkpoint(tmp_path_factory.mktemp("new"), seed=1)
+    return old, new
+
+
+@pytest.fixture(scope="module")
+def tied_ckpts(tmp_path_factory):
+    old = make_tiny_checkpoint(tmp_path_factory.mktemp("tied_old"), seed=0, tie_word_embeddings=True)
+    new = make_tiny_checkpoint(tmp_path_factory.mktemp("tied_new"), seed=1, tie_word_embeddings=True)
+    return old, new
+
+
+def tensors(ckpt) -> dict[str, torch.Tensor]:
+    return load_file(str(ckpt / "model.safetensors"))
+
+
+def expected(ckpt) -> list[list[int]]:
+    return [reference_greedy(ckpt, p, MAX_TOKENS) for p in PROMPTS]
+
+
+def tokens(llm) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def driver_model(llm):
+    return llm.llm_engine.model_executor.driver_worker.model_runner.model
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("packed", ["1", "0"], ids=["packed", "dense"])
+@pytest.mark.parametrize("how", ["all_at_once", "one_at_a_time_shuffled"])
+def test_uni_load_weights_equals_a_fresh_engine_on_the_new_checkpoint(ckpts, packed, how, monkeypatch):
+    monkeypatch.setenv("SPMD_ENGINE_CPU_PACKED_WEIGHTS", packed)
+    old, new = ckpts
+    new_tensors = tensors(new)
+    with LLM(model=str(old), max_model_len=64) as llm:
+        assert tokens(llm) == expected(old)
+        model = driver_model(llm)
+        # Both of the paths trainers use reach the same model.
+        assert llm.llm_engine.model_executor.driver_worker.worker.model_runner.model is model
+        if packed == "1":
+            assert model.model.layers["0"].self_attn.qkv_proj.weight.is_mkldnn
+        if how == "all_at_once":
+            loaded = model.load_weights(new_tensors.items())
+        else:
+            names = list(new_tensors)
+            random.Random(0).shuffle(names)
+            loaded = set()
+            for name in names:
+                loaded |= model.load_weights([(name, new_tensors[name])])
+        assert loaded == set(new_tensors)
+        assert llm.reset_prefix_cache()
+        assert tokens(llm) == expected(new)
+
+
+@pytest.mark.timeout(120)
+def test_uni_tied_embeddings_update_the_head_too(tied_ckpts):
+    old, new = tied_ckpts
+    new_tensors = tensors(new)
+    assert "lm_head.weight" not in new_tensors
+    with LLM(model=str(old), max_model_len=64) as llm:
+        assert tokens(llm) == expected(old)
+        # A trainer's state dict of a tied model names the shared matrix twice: both are accepted.
+        pairs = list(new_tensors.items()) + [("lm_head.weight", new_tensors["model.embed_tokens.weight"])]
+        assert driver_model(llm).load_weights(pairs) == set(new_tensors) | {"lm_head.weight"}
+        llm.reset_prefix_cache()
+        assert tokens(llm) == expected(new)
+
+
+@pytest.mark.timeout(120)
+def test_stale_prefix_cache_until_reset(ckpts):
+    """The KV cache keeps the old weights' keys and values: without reset_prefix_cache a cached
+    prompt is continued from stale KV; after it, outputs are the new weights' own."""
+    old, new = ckpts
+    with LLM(model=str(old), max_model_len=64) as llm:
+        tokens(llm)
+        driver_model(llm).load_weights(tensors(new).items())
+        before = llm.get_stats()[0]["prefix_hits_tokens"]
+        stale = tokens(llm)
+        assert llm.get_stats()[0]["prefix_hits_tokens"] > before  # the first prompt's blocks were reused
+        assert stale[0] != expected(new)[0]
+        assert llm.reset_prefix_cache()
+        assert tokens(llm) == expected(new)
+
+
+@pytest.mark.timeout(120)
+def test_dummy_load_format_reads_no_checkpoint_and_takes_weights_later(ckpts, tmp_path):
+    old, new = ckpts
+    # A directory with the config only: the dummy format must not look for tensors.
+    bare = tmp_path / "config_only"
+    bare.mkdir()
+    (bare / "config.json").write_text((new / "config.json").read_text())
+    with LLM(model=str(bare), max_model_len=64, load_format="dummy") as llm:
+        random_tokens = tokens(llm)
+        assert random_tokens != expected(new)
+        loaded = llm.collective_rpc("load_weights", args=(list(tensors(new).items()),))
+        assert loaded == [set(tensors(new))]
+        llm.reset_prefix_cache()
+        assert tokens(llm) == expected(new)
+
+
+@pytest.mark.timeout(120)
+def test_reload_weights_reads_the_model_dir_again(ckpts):
+    old, new = ckpts
+    with LLM(model=str(old), max_model_len=64) as llm:
+        driver_model(llm).load_weights(tensors(new).items())
+        llm.reset_prefix_cache()
+        assert tokens(llm) == expected(new)
+        assert llm.collective_rpc("reload_weights") == [set(tensors(old))]
+        llm.reset_prefix_cache()
+        assert tokens(llm) == expected(old)
+
+
+@pytest.mark.timeout(120)
+def test_bad_weights_are_named_and_the_engine_keeps_working(ckpts):
+    old, new = ckpts
+    good = tensors(new)
+    with LLM(model=str(old), max_model_len=64) as llm:
+        want = tokens(llm)
+        model = driver_model(llm)
+        bad_shape = [("model.layers.1.self_attn.k_proj.weight", torch.zeros(3, 64))]
+        unknown = [("model.layers.1.self_attn.kk_proj.weight", torch.zeros(16, 64))]
+        beyond = [("model.layers.4.mlp.up_proj.weight", good["model.layers.0.mlp.up_proj.weight"])]
+        for pairs, named in ((bad_shape, r"k_proj.weight has shape \[3, 64\], expected \[16, 64\]"),
+                             (unknown, "unknown weight name 'model.layers.1.self_attn.kk_proj.weight'"),
+                             (beyond, "unknown weight name 'model.layers.4.mlp.up_proj.weight'")):
+            with pytest.raises(ValueError, match=named):
+                model.load_weights(pairs)
+            with pytest.raises(ValueError, match=named):
+                llm.collective_rpc("load_weights", args=(pairs,))
+        with pytest.raises(ValueError, match="load_format 'nope'"):
+            LLM(model=str(old), load_format="nope")
+        llm.reset_prefix_cache()
+        assert tokens(llm) == want
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)],
+                         ids=["tp2", "pp2"])
+def test_mp_collective_rpc_load_and_reload(ckpts, layout):
+    old, new = ckpts
+    new_tensors = tensors(new)
+    with LLM(model=str(old), max_model_len=64, distributed_executor_backend="mp", **layout) as llm:
+        assert tokens(llm) == expected(old)
+        loaded = llm.collective_rpc("load_weights", args=(list(new_tensors.items()),))
+        if layout.get("pipeline_parallel_size") == 2:
+            # Each stage copied only its own layers (2 each), the embedding on the first and the
+            # norm and head on the last; together every tensor, once.
+            first, last = loaded
+            assert {n for n in first if ".layers." in n} == {n for n in new_tensors if ".layers.0." in n
+                                                             or ".layers.1." in n}
+            assert {n for n in last if ".layers." in n} == {n for n in new_tensors if ".layers.2." in n
+                                                            or ".layers.3." in n}
+            assert "model.embed_tokens.weight" in first and "lm_head.weight" not in first
+            assert "model.norm.weight" in last and "model.embed_tokens.weight" not in last
+            assert not first & last and first | last == set(new_tensors)
+        else:
+            assert loaded == [set(new_tensors)] * 2
+        llm.reset_prefix_cache()
+        assert tokens(llm) == expected(new)
+        with pytest.raises(ValueError, match="unknown weight name 'lm_head.bias'"):
+            llm.collective_rpc("load_weights", args=([("lm_head.bias", torch.zeros(300))],))
+        llm.collective_rpc("reload_weights")
+        llm.reset_prefix_cache()
+        assert tokens(llm) == expected(old)
