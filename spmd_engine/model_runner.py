@@ -88,6 +88,31 @@ class ModelRunner:
         self.model.bind_kv_cache(None)
         self.num_blocks = 0
 
+    # -- sleep mode ------------------------------------------------------------------
+    def sleep(self, level: int) -> None:
+        """Level 1: drop the KV cache (and on an accelerator move the weights to host memory);
+        level 2: also discard the weights (a later load_weights / reload_weights brings them)."""
+        if self.num_blocks:
+            self._sleeping_blocks = self.num_blocks
+        self.release_kv_cache()
+        self.block_tables.clear()
+        self.prompt_lens.clear()
+        if level == 2:
+            self.model.discard_weights()
+        elif self.device.type != "cpu":
+            self.model.move_weights("cpu")
+            self._weights_on_host = True
+
+    def wake_up(self, tags: list[str]) -> None:
+        if "weights" in tags:
+            if getattr(self, "_weights_on_host", False):
+                self.model.move_weights(self.device)
+                self._weights_on_host = False
+            # Weights discarded at level 2 get storage again; their values come from the next load.
+            self.model.allocate_discarded_weights()
+        if "kv_cache" in tags and not self.num_blocks and getattr(self, "_sleeping_blocks", 0):
+            self.initialize_kv_cache(self._sleeping_blocks)
+
     # -- every step ----------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:

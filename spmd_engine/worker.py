@@ -150,6 +150,32 @@ class Worker:
     def get_runner_stats(self) -> dict:
         return self.model_runner.get_stats()
 
+    # -- sleep mode (LLM.sleep / wake_up) ----------------------------------------------
+    def sleep(self, level: int = 1) -> dict:
+        """Give this rank's KV cache (level 1) and weights (level 2) back; report the memory."""
+        before = self.memory_usage()
+        self.model_runner.sleep(level)
+        _release_free_heap()
+        after = self.memory_usage()
+        report = {"rank": self.rank, "pid": os.getpid(), "rss_before": before["rss_bytes"],
+                  "rss_after": after["rss_bytes"], "freed_bytes": before["rss_bytes"] - after["rss_bytes"]}
+        if self.device.type == "cuda":
+            report["device_freed_bytes"] = after["device_free_bytes"] - before["device_free_bytes"]
+        return report
+
+    def wake_up(self, tags: list[str]) -> None:
+        self.model_runner.wake_up(tags)
+
+    def memory_usage(self) -> dict:
+        """This process's resident memory (from /proc/self/statm) and, on CUDA, the device's free bytes."""
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        out = {"rss_bytes": rss, "pid": os.getpid()}
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            out["device_free_bytes"] = torch.cuda.mem_get_info(self.device)[0]
+        return out
+
     # -- housekeeping ------------------------------------------------------
     def check_health(self) -> bool:
         return True
@@ -172,6 +198,16 @@ class Worker:
             if dist.is_initialized():
                 dist.destroy_process_group()
             self._owns_default_group = False
+
+
+def _release_free_heap() -> None:
+    """Hand freed heap pages back to the kernel (glibc keeps large frees below its dynamic mmap
+    threshold in the heap): without it RSS would not show what sleep gave back."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _process_start_time() -> float:

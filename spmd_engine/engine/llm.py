@@ -42,7 +42,7 @@ class LLM:
                  nnodes: int = 1, block_size: int = 16, gpu_memory_utilization: float = 0.9,
                  kv_cache_memory_bytes: int | None = None, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
-                 load_format: str = "auto"):
+                 load_format: str = "auto", enable_sleep_mode: bool = False):
         from spmd_engine.engine.input_processor import InputProcessor
         from spmd_engine.model.partition import check_model_parallel, parse_pp_partition
 
@@ -81,6 +81,8 @@ class LLM:
         )
         check_kv_budget_up_front(self.config, self.hf_config, spec)
         self.model_spec = spec
+        self.enable_sleep_mode = bool(enable_sleep_mode)
+        self._asleep: set[str] = set()  # the tags (weights, kv_cache) sleep gave back, until wake_up
         self.seed = seed
         self._next_request = 0
         self._engine = self._make_engine()
@@ -105,6 +107,9 @@ class LLM:
         """Results complete and in input order. `progress(requests, tokens)` is called as
         requests finish (from every replica this process drives), for a progress display;
         `on_output(position, output)` too, with each finished request (to stream results)."""
+        if self._asleep:
+            raise RuntimeError(f"the engine is asleep ({', '.join(sorted(self._asleep))} given back by "
+                               f"llm.sleep()): call llm.wake_up() before generate")
         requests = self._make_requests(prompts, sampling_params)
         if self.config.parallel_config.distributed_executor_backend == "external_launcher":
             self._check_same_inputs_across_replica(requests)
@@ -168,6 +173,42 @@ class LLM:
         if hasattr(self._engine, "generate"):
             return all(self._engine.call_core("reset_prefix_cache"))
         return self._engine.reset_prefix_cache()
+
+    # -- sleep mode (colocated training takes the memory between rollouts) -------------
+    def sleep(self, level: int = 1) -> list[dict]:
+        """Give memory back: level 1 frees the KV cache (on CUDA the weights also move to host
+        memory), level 2 also discards the weights (restore them with load_weights or
+        collective_rpc("reload_weights") before generating). Refused while requests hold KV
+        blocks; the prefix cache is reset. Returns each worker's report (rss_before, rss_after,
+        freed_bytes; device_freed_bytes on CUDA)."""
+        if not self.enable_sleep_mode:
+            raise ConfigError("sleep needs LLM(..., enable_sleep_mode=True)")
+        if isinstance(level, bool) or level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got level={level!r}")
+        if hasattr(self._engine, "generate"):
+            reports = [r for replica in self._engine.call_core("sleep", level) for r in replica]
+        else:
+            reports = self._engine.sleep(level)
+        self._asleep = {"weights", "kv_cache"}
+        return reports
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what sleep gave back: tags None (everything), ["weights"] or ["kv_cache"]
+        (vLLM's order for a weight update after sleep(2): weights, load them, then kv_cache)."""
+        if tags is None:
+            tags = ["weights", "kv_cache"]
+        if isinstance(tags, str) or not all(t in ("weights", "kv_cache") for t in tags):
+            raise ValueError(f"wake_up tags must be a list of 'weights' and/or 'kv_cache', got tags={tags!r}")
+        tags = list(tags)
+        if hasattr(self._engine, "generate"):
+            self._engine.call_core("wake_up", tags)
+        else:
+            self._engine.wake_up(tags)
+        self._asleep -= set(tags)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self._asleep)
 
     def get_stats(self) -> list[dict]:
         """Per replica this process drives: scheduler and block counters (steps, preemptions,

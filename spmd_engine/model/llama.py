@@ -270,6 +270,8 @@ class CausalLM(nn.Module):
         """
         if isinstance(weights, Mapping):
             weights = weights.items()
+        if self.weights_discarded:  # asleep at level 2: this load brings the weights back
+            self.allocate_discarded_weights()
         shapes = hf_tensor_shapes(self.spec)
         targets = self._update_targets()
         dense: dict[nn.Module, torch.Tensor] = {}  # packed modules being written, by module
@@ -306,6 +308,49 @@ class CausalLM(nn.Module):
             for module, tensor in dense.items():
                 repack(module, tensor)
         return loaded
+
+    # ---- sleep mode: weights given back and restored ----
+    @property
+    def weights_discarded(self) -> bool:
+        return bool(getattr(self, "_discarded", None))
+
+    def _unique_parameters(self) -> Iterator[tuple[nn.Module, str, nn.Parameter]]:
+        seen: set[int] = set()
+        for module in self.modules():
+            for attr, param in module._parameters.items():
+                if param is not None and id(param) not in seen:
+                    seen.add(id(param))
+                    yield module, attr, param
+
+    def discard_weights(self) -> None:
+        """Free every parameter's storage (sleep level 2), keeping what it takes to allocate it
+        again; the values are gone until the next load (`update_weights` allocates first)."""
+        if self.weights_discarded:
+            return
+        discarded = []
+        for module, attr, param in self._unique_parameters():
+            discarded.append((module, attr, tuple(param.shape), param.dtype, param.device, param.is_mkldnn))
+            if param.is_mkldnn:  # a packed tensor's storage cannot be swapped: replace the Parameter
+                module._parameters[attr] = nn.Parameter(torch.empty(0, dtype=param.dtype), requires_grad=False)
+            else:  # keeps a tied embedding and head one Parameter
+                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        self._discarded = discarded
+
+    def allocate_discarded_weights(self) -> None:
+        """Storage again for discarded parameters, uninitialised (packed ones packed again)."""
+        from spmd_engine.model.packed_weights import repack
+        for module, attr, shape, dtype, device, packed in getattr(self, "_discarded", None) or ():
+            dense = torch.empty(shape, dtype=dtype, device=device)
+            if packed:
+                repack(module, dense)
+            else:
+                getattr(module, attr).data = dense
+        self._discarded = None
+
+    def move_weights(self, device: str | torch.device) -> None:
+        """Every parameter to `device` in place (sleep level 1 on an accelerator: to host memory)."""
+        for _, _, param in self._unique_parameters():
+            param.data = param.data.to(device)
 
     def _update_targets(self) -> dict[str, list[tuple[str, Any]]]:
         """HF name -> [(our parameter, shard_id)] for the tensors this rank holds."""
