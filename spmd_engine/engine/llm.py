@@ -19,7 +19,7 @@ from spmd_engine.config import (
     SchedulerConfig,
 )
 from spmd_engine.engine.core import EngineDeadError, ProgressCallback
-from spmd_engine.engine.outputs import CompletionOutput, RequestOutput
+from spmd_engine.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from spmd_engine.engine.request import Request
 from spmd_engine.sampling_params import SamplingParams
 
@@ -110,20 +110,21 @@ class LLM:
         if self._asleep:
             raise RuntimeError(f"the engine is asleep ({', '.join(sorted(self._asleep))} given back by "
                                f"llm.sleep()): call llm.wake_up() before generate")
-        requests = self._make_requests(prompts, sampling_params)
+        groups = self._make_requests(prompts, sampling_params)
+        requests = [r for group in groups for r in group]
         if self.config.parallel_config.distributed_executor_backend == "external_launcher":
             self._check_same_inputs_across_replica(requests)
         if on_output is not None:
-            progress = _OutputRelay(requests, self.inputs, on_output, progress)
+            progress = _OutputRelay(groups, self.inputs, on_output, progress)
         try:
             finished = {r.request_id: r for r in self._engine_generate(requests, progress)}
         except EngineDeadError as exc:
             # Replicas that did not fail finished their requests: keep them, in input order.
             done = {r.request_id: r for r in getattr(exc, "partial", [])}
-            exc.partial_outputs = [_to_output(done[r.request_id], self.inputs) if r.request_id in done else None
-                                   for r in requests]
+            exc.partial_outputs = [_to_output([done[r.request_id] for r in group], self.inputs)
+                                   if all(r.request_id in done for r in group) else None for group in groups]
             raise
-        return [_to_output(finished[r.request_id], self.inputs) for r in requests]
+        return [_to_output([finished[r.request_id] for r in group], self.inputs) for group in groups]
 
     def _engine_generate(self, requests: list[Request], progress: ProgressCallback | None) -> list[Request]:
         if hasattr(self._engine, "generate"):
@@ -132,7 +133,9 @@ class LLM:
             self._engine.add_request(request)
         return self._engine.run_until_done(progress)
 
-    def _make_requests(self, prompts, sampling_params) -> list[Request]:
+    def _make_requests(self, prompts, sampling_params) -> list[list[Request]]:
+        """Per prompt, its `n` engine requests (sample k: id "k_<id>" when n > 1, its own seed).
+        They share the prompt, so prefix caching computes its full blocks once."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -143,13 +146,18 @@ class LLM:
         params_list = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ConfigError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
-        requests = []
+        groups = []
         for index, (prompt, params) in enumerate(zip(prompts, params_list)):
             text, ids = self.inputs.encode(prompt, index)
             seed = params.seed if params.seed is not None else request_seed(self.seed, index)
-            requests.append(Request(str(self._next_request), ids, params, seed, prompt=text))
+            base = str(self._next_request)
             self._next_request += 1
-        return requests
+            if params.n == 1:
+                groups.append([Request(base, ids, params, seed, prompt=text)])
+                continue
+            groups.append([Request(f"{k}_{base}", list(ids), params, (seed + k) & SEED_MASK, prompt=text)
+                           for k in range(params.n)])
+        return groups
 
     def _check_same_inputs_across_replica(self, requests: list[Request]) -> None:
         """Under external_launcher every rank of a replica must schedule the same requests.
@@ -312,13 +320,20 @@ class _OutputRelay:
 
     wants_requests = True  # engines call it as (requests, tokens, finished Request list)
 
-    def __init__(self, requests: list[Request], inputs, on_output, progress):
-        self.position = {r.request_id: i for i, r in enumerate(requests)}
+    def __init__(self, groups: list[list[Request]], inputs, on_output, progress):
+        self.position = {r.request_id: i for i, group in enumerate(groups) for r in group}
+        self.sizes = [len(group) for group in groups]
+        self.done: dict[int, list[Request]] = {}
         self.inputs, self.on_output, self.progress = inputs, on_output, progress
 
     def __call__(self, n: int, tokens: int, done: list[Request]) -> None:
-        for r in done:
-            self.on_output(self.position[r.request_id], _to_output(r, self.inputs))
+        for r in done:  # a prompt's output goes out once all its n samples have finished
+            i = self.position[r.request_id]
+            samples = self.done.setdefault(i, [])
+            samples.append(r)
+            if len(samples) == self.sizes[i]:
+                del self.done[i]
+                self.on_output(i, _to_output(samples, self.inputs))
         if self.progress is not None:
             self.progress(n, tokens)
 
@@ -328,8 +343,22 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _to_output(request: Request, inputs) -> RequestOutput:
+def _to_output(samples: list[Request], inputs) -> RequestOutput:
+    """One prompt's RequestOutput: its samples in index order (ids "k_<id>" when n > 1)."""
+    samples = sorted(samples, key=lambda r: int(r.request_id.split("_")[0]) if "_" in r.request_id else 0)
+    first = samples[0]
+    completions = [_completion(k, r, inputs) for k, r in enumerate(samples)]
+    request_id = first.request_id.split("_", 1)[1] if "_" in first.request_id else first.request_id
+    return RequestOutput(request_id, first.prompt, list(first.prompt_token_ids), completions)
+
+
+def _completion(index: int, request: Request, inputs) -> CompletionOutput:
     text = inputs.decode(request.output_token_ids)
-    completion = CompletionOutput(0, text, list(request.output_token_ids), request.finish_reason,
-                                  request.logprobs)
-    return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids), [completion])
+    logprobs = cumulative = None
+    if request.logprobs is not None:
+        decode = inputs.decode if inputs.tokenizer is not None else (lambda ids: None)
+        logprobs = [{token: Logprob(value, rank, decode([token])) for token, (value, rank) in step.items()}
+                    for step in request.logprobs]
+        cumulative = sum(step[token].logprob for step, token in zip(logprobs, request.output_token_ids))
+    return CompletionOutput(index, text, list(request.output_token_ids), request.finish_reason, logprobs,
+                            cumulative)
