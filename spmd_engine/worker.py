@@ -166,6 +166,10 @@ class Worker:
     def wake_up(self, tags: list[str]) -> None:
         self.model_runner.wake_up(tags)
 
+    def weights_need_load(self) -> bool:
+        """True after sleep(level=2) until load_weights / reload_weights filled the weights."""
+        return self.model_runner.model.needs_weights
+
     def memory_usage(self) -> dict:
         """This process's resident memory (from /proc/self/statm) and, on CUDA, the device's free bytes."""
         with open("/proc/self/statm") as f:

@@ -59,6 +59,11 @@ def test_sleep_2_discards_weights_until_reload_then_identical_outputs(ckpt):
         assert llm.collective_rpc("reload_weights")
         llm.wake_up(tags=["kv_cache"])
         assert tokens(llm) == want
+        # wake_up() after sleep(2) without a load: storage, but no weights: generate refuses.
+        llm.sleep(level=2)
+        llm.wake_up()
+        with pytest.raises(RuntimeError, match="discarded the weights: load_weights"):
+            llm.generate(PROMPTS, GREEDY)
         # A reload straight after sleep(2), without wake_up(["weights"]) first, also restores them.
         llm.sleep(level=2)
         llm.collective_rpc("reload_weights")

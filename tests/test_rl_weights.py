@@ -191,3 +191,30 @@ def test_mp_collective_rpc_load_and_reload(ckpts, layout):
         llm.collective_rpc("reload_weights")
         llm.reset_prefix_cache()
         assert tokens(llm) == expected(old)
+
+
+@pytest.mark.timeout(240)
+def test_torchrun_tp2_pp2_each_rank_loads_its_stage_and_matches_the_new_checkpoint(ckpts):
+    import json
+
+    from launch import REPO, run_torchrun
+    old, new = ckpts
+    launch = run_torchrun(4, [str(REPO / "tests" / "dist_scripts" / "rl_weight_update.py"), old, new],
+                          timeout=200)
+    assert launch.returncode == 0, launch.describe()
+    reports = [json.loads(line.split("REPORT ", 1)[1]) for line in launch.stdout.splitlines()
+               if line.startswith("REPORT ")]
+    assert sorted(r["rank"] for r in reports) == [0, 1, 2, 3], launch.describe()
+    want_old, want_new = expected(old)[:2], expected(new)[:2]
+    names = set(tensors(new))
+    for r in reports:
+        assert r["before"] == want_old and r["after"] == want_new and r["again"] == want_old, r
+        # Each rank copied its own stage's layers only (2 of 4), plus the embedding on the first
+        # stage or the final norm and head on the last.
+        assert r["layers"] == list(range(r["start"], r["end"])) and r["end"] - r["start"] == 2
+        first = r["start"] == 0
+        assert r["other"] == (["model.embed_tokens.weight"] if first else ["lm_head.weight", "model.norm.weight"])
+        per_layer = len([n for n in names if n.startswith("model.layers.0.")])
+        assert r["loaded"] == r["reloaded"] == 2 * per_layer + len(r["other"])
+    assert {(r["start"], r["end"]) for r in reports} == {(0, 2), (2, 4)}
+    assert not launch.leftover_pids

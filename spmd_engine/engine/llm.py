@@ -83,6 +83,7 @@ class LLM:
         self.model_spec = spec
         self.enable_sleep_mode = bool(enable_sleep_mode)
         self._asleep: set[str] = set()  # the tags (weights, kv_cache) sleep gave back, until wake_up
+        self._weights_discarded = False  # sleep(2) ran: generate checks the workers loaded weights since
         self.seed = seed
         self._next_request = 0
         self._engine = self._make_engine()
@@ -110,6 +111,11 @@ class LLM:
         if self._asleep:
             raise RuntimeError(f"the engine is asleep ({', '.join(sorted(self._asleep))} given back by "
                                f"llm.sleep()): call llm.wake_up() before generate")
+        if self._weights_discarded:
+            if any(self._engine.collective_rpc("weights_need_load")):
+                raise RuntimeError("sleep(level=2) discarded the weights: load_weights(...) or "
+                                   "collective_rpc('reload_weights') before generate")
+            self._weights_discarded = False
         groups = self._make_requests(prompts, sampling_params)
         requests = [r for group in groups for r in group]
         if self.config.parallel_config.distributed_executor_backend == "external_launcher":
@@ -198,6 +204,7 @@ class LLM:
         else:
             reports = self._engine.sleep(level)
         self._asleep = {"weights", "kv_cache"}
+        self._weights_discarded = self._weights_discarded or level == 2
         return reports
 
     def wake_up(self, tags: list[str] | None = None) -> None:

@@ -307,9 +307,11 @@ class CausalLM(nn.Module):
             from spmd_engine.model.packed_weights import repack
             for module, tensor in dense.items():
                 repack(module, tensor)
+        self.needs_weights = False
         return loaded
 
     # ---- sleep mode: weights given back and restored ----
+    needs_weights = False  # True from discard_weights until a load
     @property
     def weights_discarded(self) -> bool:
         return bool(getattr(self, "_discarded", None))
@@ -335,6 +337,7 @@ class CausalLM(nn.Module):
             else:  # keeps a tied embedding and head one Parameter
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
         self._discarded = discarded
+        self.needs_weights = True  # until the next update_weights fills them
 
     def allocate_discarded_weights(self) -> None:
         """Storage again for discarded parameters, uninitialised (packed ones packed again)."""
