@@ -218,3 +218,18 @@ def test_torchrun_tp2_pp2_each_rank_loads_its_stage_and_matches_the_new_checkpoi
         assert r["loaded"] == r["reloaded"] == 2 * per_layer + len(r["other"])
     assert {(r["start"], r["end"]) for r in reports} == {(0, 2), (2, 4)}
     assert not launch.leftover_pids
+
+
+@pytest.mark.timeout(120)
+def test_uni_dtensor_weights_are_gathered(ckpts):
+    """FSDP2 trainers hold DTensors: load_weights takes their full_tensor()."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    old, new = ckpts
+    with LLM(model=str(old), max_model_len=64) as llm:  # its one-rank world hosts the mesh
+        mesh = DeviceMesh("cpu", [0])
+        pairs = [(n, distribute_tensor(t, mesh, [Shard(0)])) for n, t in tensors(new).items()]
+        assert all(isinstance(t, DTensor) for _, t in pairs)
+        assert driver_model(llm).load_weights(pairs) == set(tensors(new))
+        llm.reset_prefix_cache()
+        assert tokens(llm) == expected(new)
