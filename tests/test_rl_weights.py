@@ -233,3 +233,31 @@ def test_uni_dtensor_weights_are_gathered(ckpts):
         assert driver_model(llm).load_weights(pairs) == set(tensors(new))
         llm.reset_prefix_cache()
         assert tokens(llm) == expected(new)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("config", [
+    dict(architecture="Qwen2ForCausalLM", tie_word_embeddings=True),  # q/k/v biases, tied head
+    dict(attention_bias=True, mlp_bias=True, head_dim=32),
+    dict(architecture="MistralForCausalLM", num_kv_heads=1),
+], ids=["qwen2-tied-bias", "llama-bias-headdim32", "mistral-mqa"])
+def test_every_checkpoint_tensor_is_known_and_an_update_equals_a_fresh_load(tmp_path, config):
+    """hf_tensor_shapes names every tensor of each architecture with its shape, and after
+    update_weights(new) every parameter equals the one a fresh load of `new` gives."""
+    from spmd_engine.model import load_model
+    from spmd_engine.model.llama import hf_tensor_shapes
+    from spmd_engine.model.packed_weights import pack_linear_weights
+    from spmd_engine.model.solo import SoloGroup
+    old = make_tiny_checkpoint(tmp_path / "old", seed=0, **config)
+    new = make_tiny_checkpoint(tmp_path / "new", seed=1, **config)
+    model = load_model(old, SoloGroup(), SoloGroup())
+    assert pack_linear_weights(model, batch_hint=4) > 0
+    new_tensors = tensors(new)
+    assert {n: tuple(t.shape) for n, t in new_tensors.items()}.items() <= hf_tensor_shapes(model.spec).items()
+    assert model.load_weights(new_tensors.items()) == set(new_tensors)
+    fresh = dict(load_model(new, SoloGroup(), SoloGroup()).named_parameters())
+    for name, param in model.named_parameters():
+        value = param.to_dense() if param.is_mkldnn else param
+        # Packing gave a tied head its own copy; the fresh, unpacked model shares the embedding.
+        want = fresh["model.embed_tokens.weight"] if name == "lm_head.weight" and name not in fresh else fresh[name]
+        assert torch.equal(value, want), name
