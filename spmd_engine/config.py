@@ -152,6 +152,7 @@ class ModelConfig:
     model: str | None = None
     dtype: str | None = None  # None: config.json's torch_dtype on GPU, float32 on CPU
     pp_partition: str | None = None  # e.g. "3,3,2"; else SPMD_ENGINE_PP_PARTITION or vLLM's split
+    load_format: str = "auto"  # "dummy": random weights, the checkpoint's tensors are never read
 
     @property
     def model_dir(self) -> str:
@@ -163,9 +164,12 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ConfigError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(f"load_format {self.load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
 DEFAULT_MAX_NUM_SEQS = 256

@@ -47,10 +47,20 @@ class ModelRunner:
         from spmd_engine.model.packed_weights import pack_linear_weights, packing_applies
         mc = self.config.model_config
         self.model = load_model(mc.model_dir, self.tp_group, self.pp_group, dtype=mc.dtype,
-                                device=self.device, pp_partition=mc.pp_partition)
+                                device=self.device, pp_partition=mc.pp_partition,
+                                load_format=mc.load_format)
         if packing_applies(self.model.dtype, self.device):
             packed = pack_linear_weights(self.model, batch_hint=self.config.scheduler_config.max_num_seqs)
             logger.debug("%d linear weights packed for oneDNN", packed)
+
+    def load_weights(self, weights) -> set[str]:
+        """In-place update from (HF name, full tensor) pairs: `CausalLM.update_weights`."""
+        return self.model.update_weights(weights)
+
+    def reload_weights(self) -> set[str]:
+        """Read this rank's tensors from the model directory on disk again."""
+        from spmd_engine.model.loader import checkpoint_weights
+        return self.model.update_weights(checkpoint_weights(self.model, self.config.model_config.model_dir))
 
     def kv_budget_bytes(self) -> int:
         """This rank's KV budget from its device's memory (kv_sizing's rules)."""
@@ -77,6 +87,31 @@ class ModelRunner:
     def release_kv_cache(self) -> None:
         self.model.bind_kv_cache(None)
         self.num_blocks = 0
+
+    # -- sleep mode ------------------------------------------------------------------
+    def sleep(self, level: int) -> None:
+        """Level 1: drop the KV cache (and on an accelerator move the weights to host memory);
+        level 2: also discard the weights (a later load_weights / reload_weights brings them)."""
+        if self.num_blocks:
+            self._sleeping_blocks = self.num_blocks
+        self.release_kv_cache()
+        self.block_tables.clear()
+        self.prompt_lens.clear()
+        if level == 2:
+            self.model.discard_weights()
+        elif self.device.type != "cpu":
+            self.model.move_weights("cpu")
+            self._weights_on_host = True
+
+    def wake_up(self, tags: list[str]) -> None:
+        if "weights" in tags:
+            if getattr(self, "_weights_on_host", False):
+                self.model.move_weights(self.device)
+                self._weights_on_host = False
+            # Weights discarded at level 2 get storage again; their values come from the next load.
+            self.model.allocate_discarded_weights()
+        if "kv_cache" in tags and not self.num_blocks and getattr(self, "_sleeping_blocks", 0):
+            self.initialize_kv_cache(self._sleeping_blocks)
 
     # -- every step ----------------------------------------------------------------
     @torch.inference_mode()

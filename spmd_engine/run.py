@@ -120,7 +120,7 @@ def result_record(index: int, prompt: PromptInput, out) -> dict:
         "finish_reason": completion.finish_reason,
     }
     if completion.logprobs is not None:
-        record["logprobs"] = [{str(k): v for k, v in step.items()} for step in completion.logprobs]
+        record["logprobs"] = [{str(k): v.logprob for k, v in step.items()} for step in completion.logprobs]
     return record
 
 

@@ -57,7 +57,8 @@ class Sampler:
 
     @staticmethod
     def _logprobs(logits, tokens, params):
-        """Top-K logprobs of the model's distribution, plus the sampled token (as vLLM does)."""
+        """Top-K logprobs of the model's distribution, plus the sampled token (as vLLM does):
+        per row {token id: (logprob, rank)}, rank 1 being the most likely token."""
         logp = torch.log_softmax(logits, dim=-1)
         out = []
         for row, (token, p) in enumerate(zip(tokens, params)):
@@ -67,7 +68,9 @@ class Sampler:
             entry = {}
             if p.logprobs > 0:
                 values, ids = torch.topk(logp[row], min(p.logprobs, logp.shape[-1]))
-                entry = {int(i): float(v) for i, v in zip(ids, values)}
-            entry[int(token)] = float(logp[row, token])
+                entry = {int(i): (float(v), rank) for rank, (i, v) in enumerate(zip(ids, values), start=1)}
+            if int(token) not in entry:
+                value = logp[row, token]
+                entry[int(token)] = (float(value), int((logp[row] > value).sum()) + 1)
             out.append(entry)
         return out

@@ -13,7 +13,12 @@ class SamplingParams:
 
     `seed` fixes this request's random stream. Left as None, the engine derives
     it from the engine seed and the prompt's index in the whole input, so a
-    prompt gets the same tokens whichever replica or batch it lands in.
+    prompt gets the same tokens whichever replica or batch it lands in. With
+    `n` > 1 sample k draws from its own stream (`seed + k`, or the derived
+    seed's k-th neighbour). `logprobs=0` returns the sampled token's logprob,
+    K > 0 the top K as well: the model's own distribution (log_softmax of the
+    raw logits, before temperature / top-k / top-p, as vLLM's default
+    "raw_logprobs").
     """
 
     max_tokens: int = 16
@@ -23,6 +28,8 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     ignore_eos: bool = False
+    n: int = 1  # samples per prompt: RequestOutput.outputs[0..n-1]
+
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -36,6 +43,8 @@ class SamplingParams:
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
                                           or self.logprobs < 0):
             raise ConfigError(f"logprobs must be an integer >= 0, got {self.logprobs!r}")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise ConfigError(f"n must be an integer >= 1 (samples per prompt), got n={self.n!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ConfigError(f"seed must be an integer, got {self.seed!r}")
 

@@ -64,7 +64,7 @@ class ModelRunnerOutput:
 
     request_ids: list[str]
     sampled_token_ids: list[int]
-    logprobs: list[dict[int, float] | None] | None = None
+    logprobs: list[dict[int, tuple[float, int]] | None] | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput([], [], None)

@@ -108,6 +108,21 @@ class Worker:
     def model(self):
         return self.model_runner.model if self.model_runner is not None else None
 
+    @property
+    def worker(self) -> "Worker":
+        """Itself: trainers reach the model as `driver_worker.worker.model_runner.model` (vLLM's
+        driver worker is a wrapper whose `.worker` is the Worker)."""
+        return self
+
+    # -- weights (RL trainers) ---------------------------------------------------
+    def load_weights(self, weights) -> set[str]:
+        """Copy (HF name, full tensor) pairs into this rank's shard; returns the names it used."""
+        return self.model_runner.load_weights(weights)
+
+    def reload_weights(self) -> set[str]:
+        """Read this rank's weights from the model directory on disk again."""
+        return self.model_runner.reload_weights()
+
     def determine_num_kv_blocks(self) -> tuple[int, int]:
         """(blocks, bytes per token): this rank's budget in blocks, the minimum over the world."""
         import torch.distributed as dist
@@ -135,6 +150,36 @@ class Worker:
     def get_runner_stats(self) -> dict:
         return self.model_runner.get_stats()
 
+    # -- sleep mode (LLM.sleep / wake_up) ----------------------------------------------
+    def sleep(self, level: int = 1) -> dict:
+        """Give this rank's KV cache (level 1) and weights (level 2) back; report the memory."""
+        before = self.memory_usage()
+        self.model_runner.sleep(level)
+        _release_free_heap()
+        after = self.memory_usage()
+        report = {"rank": self.rank, "pid": os.getpid(), "rss_before": before["rss_bytes"],
+                  "rss_after": after["rss_bytes"], "freed_bytes": before["rss_bytes"] - after["rss_bytes"]}
+        if self.device.type == "cuda":
+            report["device_freed_bytes"] = after["device_free_bytes"] - before["device_free_bytes"]
+        return report
+
+    def wake_up(self, tags: list[str]) -> None:
+        self.model_runner.wake_up(tags)
+
+    def weights_need_load(self) -> bool:
+        """True after sleep(level=2) until load_weights / reload_weights filled the weights."""
+        return self.model_runner.model.needs_weights
+
+    def memory_usage(self) -> dict:
+        """This process's resident memory (from /proc/self/statm) and, on CUDA, the device's free bytes."""
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        out = {"rss_bytes": rss, "pid": os.getpid()}
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            out["device_free_bytes"] = torch.cuda.mem_get_info(self.device)[0]
+        return out
+
     # -- housekeeping ------------------------------------------------------
     def check_health(self) -> bool:
         return True
@@ -157,6 +202,16 @@ class Worker:
             if dist.is_initialized():
                 dist.destroy_process_group()
             self._owns_default_group = False
+
+
+def _release_free_heap() -> None:
+    """Hand freed heap pages back to the kernel (glibc keeps large frees below its dynamic mmap
+    threshold in the heap): without it RSS would not show what sleep gave back."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _process_start_time() -> float:

@@ -94,7 +94,8 @@ def test_logprobs_and_finish_reasons(ckpt, expected):
     first = outs[0].outputs[0]
     assert first.token_ids == expected[0][:5]
     assert all(len(step) >= 3 and first.token_ids[i] in step for i, step in enumerate(first.logprobs))
-    assert max(first.logprobs[0].values()) == first.logprobs[0][first.token_ids[0]]  # greedy = top-1
+    assert max(lp.logprob for lp in first.logprobs[0].values()) == first.logprobs[0][first.token_ids[0]].logprob
+    assert first.logprobs[0][first.token_ids[0]].rank == 1  # greedy = top-1
 
 
 @pytest.mark.timeout(60)

@@ -98,7 +98,8 @@ def disagreements(prompt, tokens, logprobs, ref: torch.Tensor) -> list[str]:
                             f"(margin {margin:.3g})")
         if token not in ours or len(ours) < TOP_K:
             problems.append(f"step {step}: logprobs {ours} lack the sampled token {token} or the top {TOP_K}")
-        for tid, value in ours.items():
+        for tid, entry in ours.items():
+            value = entry.logprob
             if abs(value - float(ref[step, tid])) > LOGPROB_ATOL:
                 problems.append(f"step {step} token {tid}: logprob {value:.6f}, reference {float(ref[step, tid]):.6f}")
         ref_top = set(ref[step].topk(TOP_K).indices.tolist())

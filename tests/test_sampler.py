@@ -16,7 +16,14 @@ def test_greedy_is_argmax_and_logprobs_hold_top_k_plus_sampled():
     assert tokens == [1]
     expected = torch.log_softmax(logits[0], -1)
     assert set(logprobs[0]) == {1, 3}
-    assert logprobs[0][3] == pytest.approx(float(expected[3]))
+    assert logprobs[0][3] == (pytest.approx(float(expected[3])), 2)  # (logprob, rank)
+    assert logprobs[0][1] == (pytest.approx(float(expected[1])), 1)
+    # logprobs=0: the sampled token alone, with its rank in the distribution.
+    s.add_request("b", SamplingParams(logprobs=0, temperature=1.0), seed=1)
+    tokens, logprobs = s.sample(["b"], logits)
+    (token,) = tokens
+    assert list(logprobs[0]) == [token]
+    assert logprobs[0][token][1] == int((expected > expected[token]).sum()) + 1
 
 
 def test_seeded_stream_does_not_depend_on_batch():

@@ -40,6 +40,11 @@ class EngineCore:
         kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config, kv, eos_token_id)
 
+    @property
+    def model_executor(self) -> Executor:
+        """vLLM's name for the executor (trainers reach `model_executor.driver_worker`)."""
+        return self.executor
+
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
 
@@ -73,6 +78,23 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (False, changing nothing, while requests hold blocks)."""
         return self.scheduler.reset_prefix_cache()
+
+    def sleep(self, level: int) -> list[dict]:
+        """Free the KV cache (and, by level, the weights) on every worker: only when no request
+        holds a block. The prefix cache is forgotten (its blocks' contents are gone)."""
+        unfinished = len(self.scheduler.running) + len(self.scheduler.waiting)
+        kv = self.scheduler.kv
+        if unfinished or kv.num_free_blocks != kv.pool.num_blocks:
+            raise RuntimeError(f"cannot sleep: {unfinished} requests unfinished, "
+                               f"{kv.pool.num_blocks - kv.num_free_blocks} KV blocks in use")
+        self.scheduler.reset_prefix_cache()
+        reports = self.executor.collective_rpc("sleep", (level,))
+        logger.info("sleep(level=%d): %.1f MiB of RSS given back over %d workers", level,
+                    sum(r["freed_bytes"] for r in reports) / 2**20, len(reports))
+        return reports
+
+    def wake_up(self, tags: list[str]) -> None:
+        self.executor.collective_rpc("wake_up", (tags,))
 
     def get_stats(self) -> dict:
         """Scheduler and block counters, plus the output rank's runner counters (`runner`)."""

@@ -19,7 +19,7 @@ from spmd_engine.config import (
     SchedulerConfig,
 )
 from spmd_engine.engine.core import EngineDeadError, ProgressCallback
-from spmd_engine.engine.outputs import CompletionOutput, RequestOutput
+from spmd_engine.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from spmd_engine.engine.request import Request
 from spmd_engine.sampling_params import SamplingParams
 
@@ -41,7 +41,8 @@ class LLM:
                  pp_partition: str | None = None, device: str | None = None, timeout_s: float | None = None,
                  nnodes: int = 1, block_size: int = 16, gpu_memory_utilization: float = 0.9,
                  kv_cache_memory_bytes: int | None = None, max_num_batched_tokens: int | None = None,
-                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True):
+                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
+                 load_format: str = "auto", enable_sleep_mode: bool = False):
         from spmd_engine.engine.input_processor import InputProcessor
         from spmd_engine.model.partition import check_model_parallel, parse_pp_partition
 
@@ -56,7 +57,7 @@ class LLM:
         if parallel.prefill_context_parallel_size > 1 or parallel.decode_context_parallel_size > 1:
             raise ConfigError("context parallelism (PCP/DCP > 1) is planned but not implemented in the "
                               "model yet; use spmd_engine.plan to inspect such layouts")
-        model_config = ModelConfig(model=model, dtype=dtype, pp_partition=pp_partition)
+        model_config = ModelConfig(model=model, dtype=dtype, pp_partition=pp_partition, load_format=load_format)
         self.inputs = InputProcessor(model_config.model_dir, max_model_len)
         self.hf_config, self.tokenizer = self.inputs.hf_config, self.inputs.tokenizer
         self.max_model_len = self.inputs.max_model_len
@@ -79,6 +80,10 @@ class LLM:
             cache_config=cache, seed=seed, device=device or _default_device(), timeout_s=timeout_s,
         )
         check_kv_budget_up_front(self.config, self.hf_config, spec)
+        self.model_spec = spec
+        self.enable_sleep_mode = bool(enable_sleep_mode)
+        self._asleep: set[str] = set()  # the tags (weights, kv_cache) sleep gave back, until wake_up
+        self._weights_discarded = False  # sleep(2) ran: generate checks the workers loaded weights since
         self.seed = seed
         self._next_request = 0
         self._engine = self._make_engine()
@@ -103,20 +108,29 @@ class LLM:
         """Results complete and in input order. `progress(requests, tokens)` is called as
         requests finish (from every replica this process drives), for a progress display;
         `on_output(position, output)` too, with each finished request (to stream results)."""
-        requests = self._make_requests(prompts, sampling_params)
+        if self._asleep:
+            raise RuntimeError(f"the engine is asleep ({', '.join(sorted(self._asleep))} given back by "
+                               f"llm.sleep()): call llm.wake_up() before generate")
+        if self._weights_discarded:
+            if any(self._engine.collective_rpc("weights_need_load")):
+                raise RuntimeError("sleep(level=2) discarded the weights: load_weights(...) or "
+                                   "collective_rpc('reload_weights') before generate")
+            self._weights_discarded = False
+        groups = self._make_requests(prompts, sampling_params)
+        requests = [r for group in groups for r in group]
         if self.config.parallel_config.distributed_executor_backend == "external_launcher":
             self._check_same_inputs_across_replica(requests)
         if on_output is not None:
-            progress = _OutputRelay(requests, self.inputs, on_output, progress)
+            progress = _OutputRelay(groups, self.inputs, on_output, progress)
         try:
             finished = {r.request_id: r for r in self._engine_generate(requests, progress)}
         except EngineDeadError as exc:
             # Replicas that did not fail finished their requests: keep them, in input order.
             done = {r.request_id: r for r in getattr(exc, "partial", [])}
-            exc.partial_outputs = [_to_output(done[r.request_id], self.inputs) if r.request_id in done else None
-                                   for r in requests]
+            exc.partial_outputs = [_to_output([done[r.request_id] for r in group], self.inputs)
+                                   if all(r.request_id in done for r in group) else None for group in groups]
             raise
-        return [_to_output(finished[r.request_id], self.inputs) for r in requests]
+        return [_to_output([finished[r.request_id] for r in group], self.inputs) for group in groups]
 
     def _engine_generate(self, requests: list[Request], progress: ProgressCallback | None) -> list[Request]:
         if hasattr(self._engine, "generate"):
@@ -125,7 +139,9 @@ class LLM:
             self._engine.add_request(request)
         return self._engine.run_until_done(progress)
 
-    def _make_requests(self, prompts, sampling_params) -> list[Request]:
+    def _make_requests(self, prompts, sampling_params) -> list[list[Request]]:
+        """Per prompt, its `n` engine requests (sample k: id "k_<id>" when n > 1, its own seed).
+        They share the prompt, so prefix caching computes its full blocks once."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -136,13 +152,18 @@ class LLM:
         params_list = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ConfigError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
-        requests = []
+        groups = []
         for index, (prompt, params) in enumerate(zip(prompts, params_list)):
             text, ids = self.inputs.encode(prompt, index)
             seed = params.seed if params.seed is not None else request_seed(self.seed, index)
-            requests.append(Request(str(self._next_request), ids, params, seed, prompt=text))
+            base = str(self._next_request)
             self._next_request += 1
-        return requests
+            if params.n == 1:
+                groups.append([Request(base, ids, params, seed, prompt=text)])
+                continue
+            groups.append([Request(f"{k}_{base}", list(ids), params, (seed + k) & SEED_MASK, prompt=text)
+                           for k in range(params.n)])
+        return groups
 
     def _check_same_inputs_across_replica(self, requests: list[Request]) -> None:
         """Under external_launcher every rank of a replica must schedule the same requests.
@@ -167,6 +188,43 @@ class LLM:
             return all(self._engine.call_core("reset_prefix_cache"))
         return self._engine.reset_prefix_cache()
 
+    # -- sleep mode (colocated training takes the memory between rollouts) -------------
+    def sleep(self, level: int = 1) -> list[dict]:
+        """Give memory back: level 1 frees the KV cache (on CUDA the weights also move to host
+        memory), level 2 also discards the weights (restore them with load_weights or
+        collective_rpc("reload_weights") before generating). Refused while requests hold KV
+        blocks; the prefix cache is reset. Returns each worker's report (rss_before, rss_after,
+        freed_bytes; device_freed_bytes on CUDA)."""
+        if not self.enable_sleep_mode:
+            raise ConfigError("sleep needs LLM(..., enable_sleep_mode=True)")
+        if isinstance(level, bool) or level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got level={level!r}")
+        if hasattr(self._engine, "generate"):
+            reports = [r for replica in self._engine.call_core("sleep", level) for r in replica]
+        else:
+            reports = self._engine.sleep(level)
+        self._asleep = {"weights", "kv_cache"}
+        self._weights_discarded = self._weights_discarded or level == 2
+        return reports
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what sleep gave back: tags None (everything), ["weights"] or ["kv_cache"]
+        (vLLM's order for a weight update after sleep(2): weights, load them, then kv_cache)."""
+        if tags is None:
+            tags = ["weights", "kv_cache"]
+        if isinstance(tags, str) or not all(t in ("weights", "kv_cache") for t in tags):
+            raise ValueError(f"wake_up tags must be a list of 'weights' and/or 'kv_cache', got tags={tags!r}")
+        tags = list(tags)
+        if hasattr(self._engine, "generate"):
+            self._engine.call_core("wake_up", tags)
+        else:
+            self._engine.wake_up(tags)
+        self._asleep -= set(tags)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self._asleep)
+
     def get_stats(self) -> list[dict]:
         """Per replica this process drives: scheduler and block counters (steps, preemptions,
         peak_running, prefix_queries_tokens, prefix_hits_tokens, ...) and the output rank's
@@ -176,9 +234,45 @@ class LLM:
         return [self._engine.get_stats()]
 
     # -- workers ------------------------------------------------------------------
+    @property
+    def llm_engine(self):
+        """The engine this process drives (vLLM's `llm.llm_engine`): with one replica here its
+        `model_executor.driver_worker.model_runner.model` is this rank's CausalLM (uni and
+        external_launcher; under mp the model lives in the workers: use collective_rpc)."""
+        return self._engine
+
     def collective_rpc(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None,
                        unique_reply_rank: int | None = None) -> list[Any]:
+        """Call a Worker method on every worker of each replica this process drives. Besides the
+        engine's own, `load_weights` ((HF name, full tensor) pairs: an in-place update) and
+        `reload_weights` (from the model directory) are there for trainers; after either, call
+        `reset_prefix_cache()`, or cached blocks keep serving keys and values of the old weights."""
+        if method == "load_weights":
+            args = (self._checked_weights(*args, **(kwargs or {})),)
+            kwargs = None
         return self._engine.collective_rpc(method, args, kwargs, unique_reply_rank)
+
+    def _checked_weights(self, weights) -> list[tuple[str, Any]]:
+        """The pairs as a list, each name and full shape checked here, so a bad one is a ValueError
+        before any worker sees it (a worker's exception would fail an mp executor)."""
+        from collections.abc import Mapping
+
+        from spmd_engine.model.llama import _skipped_name, hf_tensor_shapes
+        shapes = hf_tensor_shapes(self.model_spec)
+        pairs = list(weights.items() if isinstance(weights, Mapping) else weights)
+        for pair in pairs:
+            if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and isinstance(pair[0], str)):
+                raise ValueError(f"load_weights expects (name, tensor) pairs, got {type(pair).__name__}")
+            name, tensor = pair
+            if _skipped_name(name):
+                continue
+            if name not in shapes:
+                raise ValueError(f"load_weights: unknown weight name {name!r} (not a tensor of this "
+                                 f"{self.model_spec.architecture} model)")
+            if tuple(getattr(tensor, "shape", ())) != shapes[name]:
+                raise ValueError(f"load_weights: {name} has shape {list(getattr(tensor, 'shape', ()))}, "
+                                 f"expected {list(shapes[name])}")
+        return pairs
 
     @property
     def replica_index(self) -> int:
@@ -233,13 +327,20 @@ class _OutputRelay:
 
     wants_requests = True  # engines call it as (requests, tokens, finished Request list)
 
-    def __init__(self, requests: list[Request], inputs, on_output, progress):
-        self.position = {r.request_id: i for i, r in enumerate(requests)}
+    def __init__(self, groups: list[list[Request]], inputs, on_output, progress):
+        self.position = {r.request_id: i for i, group in enumerate(groups) for r in group}
+        self.sizes = [len(group) for group in groups]
+        self.done: dict[int, list[Request]] = {}
         self.inputs, self.on_output, self.progress = inputs, on_output, progress
 
     def __call__(self, n: int, tokens: int, done: list[Request]) -> None:
-        for r in done:
-            self.on_output(self.position[r.request_id], _to_output(r, self.inputs))
+        for r in done:  # a prompt's output goes out once all its n samples have finished
+            i = self.position[r.request_id]
+            samples = self.done.setdefault(i, [])
+            samples.append(r)
+            if len(samples) == self.sizes[i]:
+                del self.done[i]
+                self.on_output(i, _to_output(samples, self.inputs))
         if self.progress is not None:
             self.progress(n, tokens)
 
@@ -249,8 +350,22 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _to_output(request: Request, inputs) -> RequestOutput:
+def _to_output(samples: list[Request], inputs) -> RequestOutput:
+    """One prompt's RequestOutput: its samples in index order (ids "k_<id>" when n > 1)."""
+    samples = sorted(samples, key=lambda r: int(r.request_id.split("_")[0]) if "_" in r.request_id else 0)
+    first = samples[0]
+    completions = [_completion(k, r, inputs) for k, r in enumerate(samples)]
+    request_id = first.request_id.split("_", 1)[1] if "_" in first.request_id else first.request_id
+    return RequestOutput(request_id, first.prompt, list(first.prompt_token_ids), completions)
+
+
+def _completion(index: int, request: Request, inputs) -> CompletionOutput:
     text = inputs.decode(request.output_token_ids)
-    completion = CompletionOutput(0, text, list(request.output_token_ids), request.finish_reason,
-                                  request.logprobs)
-    return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids), [completion])
+    logprobs = cumulative = None
+    if request.logprobs is not None:
+        decode = inputs.decode if inputs.tokenizer is not None else (lambda ids: None)
+        logprobs = [{token: Logprob(value, rank, decode([token])) for token, (value, rank) in step.items()}
+                    for step in request.logprobs]
+        cumulative = sum(step[token].logprob for step, token in zip(logprobs, request.output_token_ids))
+    return CompletionOutput(index, text, list(request.output_token_ids), request.finish_reason, logprobs,
+                            cumulative)

@@ -6,12 +6,22 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """One token's log probability, its rank in the distribution (1 = most likely) and its text."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
-    index: int
+    index: int  # which of the request's n samples
     text: str
     token_ids: list[int]
     finish_reason: str | None  # "stop" (EOS), "length" (max_tokens or max_model_len)
-    logprobs: list[dict[int, float]] | None = None
+    # Per generated token {token id: Logprob}: the sampled token, and the top K (logprobs=K).
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs (with logprobs)
 
 
 @dataclass

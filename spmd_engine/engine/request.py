@@ -23,7 +23,7 @@ class Request:
     seed: int
     prompt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, tuple[float, int]]] | None = None
     num_computed_tokens: int = 0  # tokens whose K/V are in this request's blocks
     finish_reason: str | None = None
     num_preemptions: int = 0

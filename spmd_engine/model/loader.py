@@ -10,6 +10,7 @@ shard, however large the checkpoint.
 from __future__ import annotations
 
 import json
+import zlib
 import os
 from contextlib import ExitStack
 from pathlib import Path
@@ -101,16 +102,55 @@ def _open(file: Path):
 
 
 def load_model(model_dir: str | os.PathLike | None, tp_group, pp_group, dtype: str | torch.dtype | None = None,
-               device: str | torch.device = "cpu", pp_partition: str | None = None) -> CausalLM:
-    """This rank's CausalLM with its shard of the weights (model_dir None: the bundled model)."""
+               device: str | torch.device = "cpu", pp_partition: str | None = None,
+               load_format: str = "auto") -> CausalLM:
+    """This rank's CausalLM with its shard of the weights (model_dir None: the bundled model).
+    `load_format="dummy"` fills it with random weights (`dummy_weights`) and reads no tensor."""
     model_dir = Path(model_dir) if model_dir is not None else BUNDLED_MODEL_DIR
     hf_config = read_hf_config(model_dir)
     check_model_parallel(hf_config, tp_group.world_size, pp_group.world_size, source=str(model_dir / "config.json"))
     torch_dtype = resolve_dtype(dtype, hf_config, device)
-    files = checkpoint_files(model_dir)
     # Built straight on `device` with uninitialised storage of shard size (not via the meta
     # device: a first meta tensor imports torch's symbolic-shape machinery, 0.45 s per rank).
     model = CausalLM(hf_config, tp_group, pp_group, dtype=torch_dtype, device=device, pp_partition=pp_partition)
+    if load_format == "dummy":
+        model.load_weights(dummy_weights(model))
+        return model
+    load_checkpoint(model, model_dir)
+    return model
+
+
+def dummy_weights(model: CausalLM, seed: int = 0):
+    """Random full HF tensors for the names `model` holds, the same on every rank (so TP shards
+    make one consistent model): norms 1, everything else N(0, 0.02)."""
+    from spmd_engine.model.llama import hf_tensor_shapes
+    shapes = hf_tensor_shapes(model.spec)
+    for name in sorted(model._update_targets()):
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        if "norm" in name:
+            yield name, torch.ones(shapes[name])
+        else:
+            yield name, torch.randn(shapes[name], generator=gen) * 0.02
+
+
+def checkpoint_weights(model: CausalLM, model_dir: str | os.PathLike | None):
+    """(HF name, full tensor) from the checkpoint on disk, only for the tensors `model` holds
+    (another stage's layers are never read): for `reload_weights`."""
+    model_dir = Path(model_dir) if model_dir is not None else BUNDLED_MODEL_DIR
+    files = checkpoint_files(model_dir)
+    for name in sorted(model._update_targets()):
+        file = files.get(name)
+        if file is None:
+            if name == "lm_head.weight" and model.spec.tie_word_embeddings:
+                continue
+            raise ConfigError(f"tensor {name} not found in checkpoint {model_dir}")
+        with _open(file) as handle:
+            yield name, handle.get_tensor(name)
+
+
+def load_checkpoint(model: CausalLM, model_dir: Path) -> None:
+    """Fill a freshly built (unpacked) model from the checkpoint, each rank reading its slices."""
+    files = checkpoint_files(model_dir)
     with ExitStack() as stack:
         # One file open at a time, reopened for every tensor: a safetensors handle maps
         # its whole file, and every page read through the mapping counts in this
@@ -135,4 +175,3 @@ def load_model(model_dir: str | os.PathLike | None, tp_group, pp_group, dtype: s
             raise ConfigError(f"{exc} (in {files.get(exc.tensor_name)})") from None
         except SafetensorError as exc:
             raise ConfigError(f"checkpoint in {model_dir} is corrupt: {exc}") from None
-    return model

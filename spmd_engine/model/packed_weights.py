@@ -81,8 +81,15 @@ def pack_linear_weights(model: nn.Module, batch_hint: int) -> int:
     for module in model.modules():
         if not getattr(module, "packable_weight", False) or module.weight.is_mkldnn:
             continue
-        dense = module.weight.detach()
-        module.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(dense, batch_hint),
-                                     requires_grad=False)
+        module.packed_batch_hint = batch_hint
+        repack(module, module.weight.detach())
         packed += 1
     return packed
+
+
+def repack(module: nn.Module, dense: torch.Tensor) -> None:
+    """Make `dense` (the full local weight, row-major) `module`'s packed weight again: after
+    an in-place update, which writes into `weight.to_dense()` (packed tensors cannot be
+    sliced)."""
+    module.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(dense, module.packed_batch_hint),
+                                 requires_grad=False)
