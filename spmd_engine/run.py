@@ -357,6 +357,20 @@ def _launched() -> bool:
     return read_launch_env(os.environ) is not None
 
 
+RANK0_REPORT_WAIT_S = 10.0
+
+
+def _let_rank0_report_first() -> None:
+    """Every rank finds a usage error, only rank 0 prints it. A launcher ends the whole
+    job at the first rank that exits, so a rank that exits before rank 0 has printed can
+    get rank 0 killed mid-report (seen under load). The others wait instead, briefly: the
+    launcher ends them as soon as rank 0 exits (torchrun; srun --kill-on-bad-exit), and
+    without one they exit 2 themselves after RANK0_REPORT_WAIT_S."""
+    deadline = time.monotonic() + RANK0_REPORT_WAIT_S
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 def _record_for_torchrun(exc: BaseException) -> None:
     """Write torchrun's error file, so its summary names this rank's root cause."""
     if "TORCHELASTIC_ERROR_FILE" not in os.environ:
@@ -396,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, TopologyError) as exc:
         if rank0:
             print(f"error: {exc}", file=sys.stderr)
+        elif _launched():
+            _let_rank0_report_first()
         return EXIT_USAGE
     except KeyboardInterrupt:
         print(f"error: [rank {_global_rank()}] interrupted", file=sys.stderr)

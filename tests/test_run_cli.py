@@ -182,3 +182,18 @@ def test_world_size_that_does_not_hold_whole_replicas():
     assert not launch.timed_out and launch.returncode == 1, launch.describe()
     assert "error: world size 3 is not a multiple of TP x PP x PCP x DP = 2x1x1x1 = 2" in launch.stderr
     assert "(exitcode: 2)" in launch.stderr and not launch.leftover_pids
+
+
+@pytest.mark.timeout(120)
+def test_usage_error_line_survives_a_slow_rank0(tmp_path):
+    """Every rank finds the bad layout, only rank 0 prints it: the others must not exit first,
+    or the launcher kills rank 0 before it reports. Rank 0 is held back 2 s here, as under
+    load; before the fix the error line was missing and torchrun named rank 2's exit."""
+    script = tmp_path / "slow_rank0.py"
+    script.write_text("import os, sys, time\n"
+                      "if os.environ.get('RANK') == '0':\n    time.sleep(2)\n"
+                      "from spmd_engine.run import main\nsys.exit(main(sys.argv[1:]))\n")
+    launch = run_torchrun(3, [script, "-tp", 2], timeout=100)
+    assert not launch.timed_out and launch.returncode == 1, launch.describe()
+    assert "error: world size 3 is not a multiple of TP x PP x PCP x DP = 2x1x1x1 = 2" in launch.stderr
+    assert "(exitcode: 2) local_rank: 0" in launch.stderr and not launch.leftover_pids
