@@ -3,6 +3,7 @@ and as torchrun users expect for external_launcher. Nothing may hang."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -378,9 +379,14 @@ def test_soak_hundreds_of_generate_calls_leak_nothing():
             llm.generate(["Now is"], params)
         workers = llm.collective_rpc(lambda worker: os.getpid())
         pids = [os.getpid(), *workers]
+        gc.collect()
         fds, procs, shm = open_fds(), children(), shm_mappings(pids)
         for i in range(300):
             out = llm.generate(["Now is", "Flat is"][: 1 + i % 2], params)
             assert out[0].outputs[0].text == " be"
-        assert open_fds() == fds and children() == procs and shm_mappings(pids) == shm
+        gc.collect()
+        # No growth. The count is the whole pytest worker's: an earlier test's objects and
+        # threads may still be closing fds meanwhile (CI saw 41 -> 37), which is no leak; a
+        # leak over 300 calls grows it by hundreds.
+        assert open_fds() <= fds and children() == procs and shm_mappings(pids) == shm
         assert shm > 0  # the queues and the all-reduce segment are really there
