@@ -236,3 +236,12 @@ def run_ranks_on_free_port(world: int, script_args: list[str], env_for_rank, tim
         if not launch.port_in_use():
             return launch
     return launch
+
+
+def pid_alive(pid: int) -> bool:
+    """The process exists and is not a zombie (a dead child not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -13,16 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from launch import pid_alive
+
 from spmd_engine import LLM, SamplingParams
 from spmd_engine.engine.core import EngineDeadError
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def shm_names_of(pids) -> set[str]:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import PYTHON, REPO, Launch, base_env, free_port, run_torchrun, tagged_pids, unique_tag
+from launch import PYTHON, REPO, Launch, base_env, free_port, run_torchrun, tagged_pids, unique_tag, pid_alive
 from spmd_engine import LLM, SamplingParams
 from spmd_engine.engine.core import EngineDeadError
 
@@ -35,14 +35,6 @@ def kill_on_first_progress(pid: int, record: dict):
             record["killed_at"] = time.monotonic()
             os.kill(pid, signal.SIGKILL)
     return progress
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.timeout(120)

@@ -14,20 +14,14 @@ from pathlib import Path
 
 import pytest
 
+from launch import pid_alive
+
 from spmd_engine import LLM, SamplingParams
 from spmd_engine.engine.core import EngineDeadError
 
 import cloudpickle
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this test module
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def wait_gone(pids, within: float) -> bool:

@@ -16,16 +16,8 @@ import time
 
 import pytest
 
-from launch import REPO, base_env, tagged_pids
+from launch import REPO, base_env, tagged_pids, pid_alive
 from spmd_engine import LLM, SamplingParams
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def build_in_a_thread(**kwargs) -> LLM:
