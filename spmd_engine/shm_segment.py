@@ -13,7 +13,11 @@ error (ShmSpaceError) at start-up instead.
 
 Names are unlinked as soon as every party has attached (the callers decide
 when); from then on the memory lives exactly as long as its mappings, and a
-SIGKILL of any process leaves nothing behind.
+SIGKILL of any process leaves nothing behind. A segment made with
+``create(..., unlinked=True)`` has no name from the start: the creator keeps
+its descriptor open and peers open it through ``/proc/<creator pid>/fd/<fd>``
+(same user, same pid namespace), so not even a SIGKILL of the creator while
+peers are still attaching can leave a name behind.
 """
 
 from __future__ import annotations
@@ -42,11 +46,12 @@ def _free_bytes() -> int | None:
 class ShmSegment:
     """One mapped segment; ``owner`` created it (and unlinks its name)."""
 
-    def __init__(self, name: str, mm: mmap.mmap, owner: bool):
+    def __init__(self, name: str, mm: mmap.mmap, owner: bool, fd: int | None = None):
         self.name = name  # with a leading "/", as shm_open(3) spells it
         self.mm = mm
         self.owner = owner
         self.unlinked = not owner
+        self.fd = fd  # kept open only by an unlinked creator, until its peers have attached
 
     @property
     def path(self) -> str:
@@ -54,9 +59,11 @@ class ShmSegment:
 
     @classmethod
     def create(cls, size: int, prefix: str, label: str = "", what: str = "a shared-memory segment",
-               with_pid: bool = True) -> "ShmSegment":
+               with_pid: bool = True, unlinked: bool = False) -> "ShmSegment":
         """Create ``/<prefix>[<label>_][<pid>_]<token>`` of ``size`` bytes, reserved and mapped.
 
+        With ``unlinked`` the name is removed before this returns and the descriptor
+        stays open (``fd``) for peers to attach with ``attach_fd``; ``close_fd`` once they have.
         Raises ShmSpaceError (one clear line) when /dev/shm cannot hold it.
         """
         tag = re.sub(r"[^A-Za-z0-9]", "", label)[:16]
@@ -86,10 +93,37 @@ class ShmSegment:
             mm = mmap.mmap(fd, size)
         except BaseException:
             os.unlink(SHM_DIR + name)
-            raise
-        finally:
             os.close(fd)
-        return cls(name, mm, owner=True)
+            raise
+        if not unlinked:
+            os.close(fd)
+            return cls(name, mm, owner=True)
+        os.unlink(SHM_DIR + name)
+        seg = cls(name, mm, owner=True, fd=fd)
+        seg.unlinked = True
+        return seg
+
+    @classmethod
+    def attach_fd(cls, pid: int, fd: int, size: int) -> "ShmSegment":
+        """Map the segment another process (``pid``) holds open as ``fd``, name or no name.
+
+        OSError when that process is gone, has closed it, or we may not read its
+        descriptors (another user, another pid namespace).
+        """
+        own = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
+        try:
+            if os.fstat(own).st_size != size:
+                raise OSError(f"/proc/{pid}/fd/{fd} is not the expected {size}-byte segment")
+            mm = mmap.mmap(own, size)
+        finally:
+            os.close(own)
+        return cls("", mm, owner=False)
+
+    def close_fd(self) -> None:
+        """Drop the descriptor peers attached through; the mappings stay."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
     @classmethod
     def attach(cls, name: str, size: int | None = None) -> "ShmSegment":
@@ -115,6 +149,7 @@ class ShmSegment:
         """Hook for subclasses (the queue's crash guard)."""
 
     def close(self) -> None:
+        self.close_fd()
         try:
             self.mm.close()
         except BufferError:

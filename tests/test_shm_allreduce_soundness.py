@@ -10,6 +10,7 @@ shared memory.
 from __future__ import annotations
 
 import json
+import os
 import multiprocessing as mp
 import time
 from pathlib import Path
@@ -110,3 +111,49 @@ def test_a_rank_that_timed_out_takes_its_peer_off_shared_memory(tmp_path):
     assert rank1["late"][0] == "error" and "declared it broken" in rank1["late"][1]
     for ev in (rank0, rank1):
         assert ev["after"][0] == "error" and "unusable" in ev["after"][1]
+
+
+def _setup_rank_main(rank: int, store: str, marker: str) -> None:
+    """Rank 1 takes 60 s to attach: rank 0 sits in set-up with the segment made, then is SIGKILLed."""
+    import torch.distributed as dist
+    from spmd_engine.distributed.shm_allreduce import ShmAllReduce
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    if rank == 1:
+        real = ShmAllReduce._attach
+
+        def slow_attach(*args):
+            time.sleep(60)
+            return real(*args)
+        ShmAllReduce._attach = staticmethod(slow_attach)
+    Path(marker + str(rank)).write_text("in set-up")
+    ShmAllReduce.create(dist.group.WORLD, [0, 1], "tp [0, 1]", timeout_s=1.0)
+
+
+@pytest.mark.timeout(120)
+def test_a_creator_killed_mid_setup_leaves_no_name_in_dev_shm(tmp_path):
+    # CI once found spmd_ar_<pid>_<token> left by a torchrun rank SIGKILLed while its TP group
+    # was still setting up (the first all-reduce, just after "engine ready"): the name lived
+    # until every peer had attached. Now it is unlinked at creation; peers attach by descriptor.
+    from launch import stale_segments
+    from test_failures import mapped_segments
+    ctx = mp.get_context("spawn")
+    marker = str(tmp_path / "ready")
+    procs = [ctx.Process(target=_setup_rank_main, args=(r, str(tmp_path / "store"), marker)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        deadline = time.monotonic() + 60
+        made: set[str] = set()
+        while not made and time.monotonic() < deadline:  # rank 0 has made and mapped its segment
+            made = {s for s in mapped_segments(procs[0].pid) if s.startswith("spmd_ar_")}
+            time.sleep(0.05)
+        assert made, "rank 0 never made its segment"
+        assert not [n for n in os.listdir(SHM_DIR) if n.startswith(f"spmd_ar_{procs[0].pid}_")]
+        procs[0].kill()
+        procs[0].join()
+        assert not stale_segments({procs[0].pid})
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()

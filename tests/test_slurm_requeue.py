@@ -60,7 +60,9 @@ def test_sigterm_requeues_and_the_requeued_job_resumes(tmp_path):
     job = subprocess.Popen(script, cwd=REPO, env=env, start_new_session=True, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 150
+        first_pids: set[int] = set()  # the first job's processes: the segments they make are checked
         while parts_records(out) < 1 and time.monotonic() < deadline and job.poll() is None:
+            first_pids |= set(tagged_pids(tag))
             time.sleep(0.02)
         assert parts_records(out) >= 1, "no record streamed"
         job.send_signal(signal.SIGTERM)  # SLURM signals the batch shell (B:TERM)
@@ -83,4 +85,4 @@ def test_sigterm_requeues_and_the_requeued_job_resumes(tmp_path):
     assert second.returncode == 0 and not second.timed_out, second.describe()
     assert out.read_bytes() == ref.read_bytes()
     assert not list(tmp_path.glob("out.jsonl.part-*"))
-    assert not second.leftover_pids and not stale_segments()
+    assert not second.leftover_pids and not stale_segments(first_pids | second.seen_pids)

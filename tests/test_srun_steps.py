@@ -15,7 +15,7 @@ import uuid
 import pytest
 
 import fake_slurm
-from launch import PYTHON, Launch, base_env, stale_segments
+from launch import PYTHON, Launch, base_env
 from spmd_engine.distributed.launch_env import port_from_job_id, read_launch_env
 
 
@@ -57,6 +57,6 @@ def test_two_concurrent_srun_steps_in_one_allocation(tmp_path):
     envs = [base_env(tag, dict(env, FAKE_SLURM_STEP_ID=str(step))) for step in range(2)]
     launch = Launch(cmds, envs, tag, timeout=150)
     assert not launch.timed_out and launch.returncode == 0, launch.describe()
-    assert not launch.leftover_pids and not stale_segments()
+    assert not launch.leftover_pids and not launch.stale_segments()
     texts = [json.loads(o.read_text())["text"] for o in outs]
     assert texts == [" never pass silently.\nUn", " better than complex.\nCo"]

@@ -29,9 +29,12 @@ Stores are ordered by x86's TSO memory model (data before counter), which this
 protocol relies on; on other architectures the gloo path is used instead.
 
 Lifetime. The group's first rank creates the segment under a name with a
-random token (two jobs on one host never collide), the others attach, and the
-creator unlinks the name as soon as everyone has attached, so a crash leaves
-nothing in /dev/shm. The mapping lives until destroy().
+random token (two jobs on one host never collide) and, when all members share
+one pid namespace (the usual case), unlinks it at once: the others open the
+creator's descriptor through /proc/<pid>/fd, so a SIGKILL at any moment, even
+mid set-up, leaves nothing in /dev/shm. Across pid namespaces the others attach
+by name and the creator unlinks it once everyone has attached. The mapping
+lives until destroy().
 """
 
 from __future__ import annotations
@@ -126,40 +129,46 @@ class ShmAllReduce:
         if len({i[0] for i in infos}) != 1 or not all(i[1] for i in infos):
             return None
         size = nranks * LINE + 2 * nranks * slot_bytes
-        seg = cls._make_segment(size, label) if me == 0 else None
-        name = [seg.name if seg is not None else None]
+        # Peers we see as they see themselves (one pid namespace) can open our descriptor through
+        # /proc, so the segment needs no name at all; otherwise a name lives until all attached.
+        peers = [(i[2], i[3]) for i in infos]
+        watch = all(ident is not None and _process_identity(pid) == ident for pid, ident in peers)
+        seg = cls._make_segment(size, label, unlinked=watch) if me == 0 else None
+        where = [None if seg is None else (seg.name, os.getpid(), seg.fd)]
         mm = None
         try:
-            dist.broadcast_object_list(name, src=ranks[0], group=cpu_group)
-            if name[0] is None:
+            dist.broadcast_object_list(where, src=ranks[0], group=cpu_group)
+            if where[0] is None:
                 return None
-            mm = seg.mm if seg is not None else cls._attach(name[0], size)
+            mm = seg.mm if seg is not None else cls._attach(*where[0], size)
             attached: list = [None] * nranks
             dist.all_gather_object(attached, mm is not None, group=cpu_group)
         finally:
             if seg is not None:
-                seg.unlink()  # everyone attached, gave up or failed
+                seg.unlink()  # everyone attached, gave up or failed (a no-op when it had no name)
+                seg.close_fd()
         if not all(attached):
             if mm is not None:
                 mm.close()
             return None
-        # Watch peers' processes only if we see them as they see themselves (same pid namespace).
-        peers = [(i[2], i[3]) for i in infos]
-        watch = all(ident is not None and _process_identity(pid) == ident for pid, ident in peers)
-        return cls(mm, name[0].lstrip("/"), nranks, me, slot_bytes, label, timeout_s, peers if watch else None)
+        name = where[0][0].lstrip("/")
+        return cls(mm, name, nranks, me, slot_bytes, label, timeout_s, peers if watch else None)
 
     @staticmethod
-    def _attach(name: str, size: int) -> mmap.mmap | None:
+    def _attach(name: str, creator: int, fd: int | None, size: int) -> mmap.mmap | None:
         try:
+            if fd is not None:
+                return ShmSegment.attach_fd(creator, fd, size).mm
             return ShmSegment.attach(name, size).mm
         except OSError:
             return None
 
     @staticmethod
-    def _make_segment(size: int, label: str) -> ShmSegment | None:
+    def _make_segment(size: int, label: str, unlinked: bool) -> ShmSegment | None:
         """Reserved up front (a full tmpfs fails here, not with SIGBUS later); None: use gloo."""
         try:
-            return ShmSegment.create(size, SHM_PREFIX, what=f"the all-reduce of group {label}")
+            return ShmSegment.create(size, SHM_PREFIX, what=f"the all-reduce of group {label}",
+                                     unlinked=unlinked)
         except OSError as exc:
             logger.warning("group %s: no shared-memory all-reduce, using gloo: %s", label, exc)
             return None
