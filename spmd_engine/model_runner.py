@@ -18,7 +18,7 @@ import torch
 
 from spmd_engine import kv_sizing
 from spmd_engine.config import EngineConfig
-from spmd_engine.sampler import Sampler
+from spmd_engine.sampler import Sampler, logprob_entries
 from spmd_engine.step_messages import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("spmd_engine")
@@ -38,7 +38,7 @@ class ModelRunner:
         self.num_blocks = 0
         self.block_tables: dict[str, list[int]] = {}
         self.prompt_lens: dict[str, int] = {}
-        self._pending: tuple[list[str], torch.Tensor | None] | None = None
+        self._pending: tuple[list[str], torch.Tensor | None, dict | None] | None = None
         self.stats = {"steps": 0, "tokens": 0, "prefill_tokens": 0, "sampled": 0}
 
     # -- start-up ---------------------------------------------------------------
@@ -122,7 +122,7 @@ class ModelRunner:
             self.block_tables.pop(rid, None)
             self.prompt_lens.pop(rid, None)
         for new in out.new_requests:
-            self.sampler.add_request(new.request_id, new.params, new.seed)
+            self.sampler.add_request(new.request_id, new.params, new.seed, new.stop_ids, new.prompt_token_ids)
             self.prompt_lens[new.request_id] = new.num_prompt_tokens
         if not out.seqs:
             return EMPTY_MODEL_RUNNER_OUTPUT
@@ -135,11 +135,40 @@ class ModelRunner:
         sampling = [s.request_id for s in out.seqs if s.sample]
         if not self.pp_group.is_last_rank:
             self.pp_group.send_tensor_dict(hidden)
-            self._pending = (sampling, None)
+            self._pending = (sampling, None, None)
             return None
         logits = self.model.compute_logits(hidden["hidden_states"][sample_index]) if sampling else None
-        self._pending = (sampling, logits)
+        self._pending = (sampling, logits, self._prompt_logprobs(out, attn, hidden["hidden_states"]))
         return None
+
+    def _prompt_logprobs(self, out: SchedulerOutput, attn, hidden: torch.Tensor) -> dict | None:
+        """Logprobs of the prompt tokens this step's rows predict, for requests that asked: the
+        logits at position p rate prompt token p + 1. Positions already reported (a request
+        recomputed after preemption) are skipped."""
+        wanted = []
+        for i, s in enumerate(out.seqs):
+            state = self.sampler.requests.get(s.request_id)
+            if state is None or state.params.prompt_logprobs is None:
+                continue
+            prompt = state.prompt_token_ids
+            first = max(s.context_len, state.prompt_logprobs_done)
+            stop = min(s.context_len + len(s.token_ids), len(prompt) - 1)
+            if first >= stop:
+                continue
+            state.prompt_logprobs_done = stop
+            rows = [attn.row_start[i] + p - s.context_len for p in range(first, stop)]
+            wanted.append((s.request_id, rows, prompt[first + 1:stop + 1], state.params.prompt_logprobs))
+        if not wanted:
+            return None
+        rows = torch.tensor([r for w in wanted for r in w[1]], dtype=torch.long).to(self.device)
+        targets = torch.tensor([t for w in wanted for t in w[2]], dtype=torch.long).to(self.device)
+        entries = logprob_entries(self.model.compute_logits(hidden[rows]), targets,
+                                  [w[3] for w in wanted for _ in w[1]])
+        result, start = {}, 0
+        for rid, rows_of, _, _ in wanted:
+            result[rid] = entries[start:start + len(rows_of)]
+            start += len(rows_of)
+        return result
 
     def _prepare_inputs(self, out: SchedulerOutput):
         from spmd_engine.model.attention import AttentionMetadata
@@ -171,15 +200,15 @@ class ModelRunner:
     def sample_tokens(self, grammar_output=None) -> ModelRunnerOutput | None:
         if self._pending is None:
             return None
-        request_ids, logits = self._pending
+        request_ids, logits, prompt_logprobs = self._pending
         self._pending = None
         result = None
         if self.pp_group.is_last_rank:
             if request_ids:
-                tokens, logprobs = self.sampler.sample(request_ids, logits.float().cpu())
+                tokens, logprobs = self.sampler.sample(request_ids, logits)
             else:
                 tokens, logprobs = [], None
-            result = ModelRunnerOutput(request_ids, tokens, logprobs)
+            result = ModelRunnerOutput(request_ids, tokens, logprobs, prompt_logprobs)
         if self.broadcast_sampled_tokens and self.pp_group.world_size > 1:
             result = self.pp_group.broadcast_object(result, src=self.pp_group.world_size - 1)
         return result

@@ -1,76 +1,114 @@
-"""Token sampling on the last pipeline stage.
+"""Token sampling on the last pipeline stage, on the logits' device, for the whole batch at once.
 
-Every TP rank of the last stage holds identical full logits, and each request
-draws from its own generator seeded once, so every rank that samples gets the
-same tokens, and a request's tokens do not depend on which other requests share
-its batch or which replica it landed in.
+Every TP rank of the last stage holds identical full logits, and a request's
+random draw is a function of its seed and output position only (see
+sample_draw), so every rank that samples gets the same tokens, and a request's
+tokens do not depend on which other requests share its batch or which replica
+it landed in. Only the sampled ids (and the logprobs a request asked for) are
+copied to the host. Greedy rows are the argmax of the (processed) logits.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
+from spmd_engine import sample_draw
+from spmd_engine.logit_penalties import apply_penalties, mask_stop_ids
 from spmd_engine.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestState:
+    """What the sampler keeps about one request between steps."""
+
+    params: SamplingParams
+    seed: int
+    stop_ids: list[int] = field(default_factory=list)  # masked while under min_tokens
+    prompt_token_ids: list[int] | None = None  # kept for repetition_penalty / prompt_logprobs
+    output_token_ids: list[int] = field(default_factory=list)  # kept for the penalties
+    num_sampled: int = 0  # the output position: part of the random draw's counter
+    prompt_logprobs_done: int = 0  # prompt tokens whose logprobs went out (recompute skips them)
 
 
 class Sampler:
     def __init__(self) -> None:
-        self._params: dict[str, SamplingParams] = {}
-        self._generators: dict[str, torch.Generator] = {}
+        self.requests: dict[str, RequestState] = {}
 
-    def add_request(self, request_id: str, params: SamplingParams, seed: int) -> None:
-        self._params[request_id] = params
-        if not params.greedy:
-            self._generators[request_id] = torch.Generator().manual_seed(seed & 0x7FFF_FFFF_FFFF_FFFF)
+    def add_request(self, request_id: str, params: SamplingParams, seed: int,
+                    stop_ids: list[int] | None = None, prompt_token_ids: list[int] | None = None) -> None:
+        self.requests[request_id] = RequestState(params, seed, list(stop_ids or []), prompt_token_ids)
 
     def remove_request(self, request_id: str) -> None:
-        self._params.pop(request_id, None)
-        self._generators.pop(request_id, None)
+        self.requests.pop(request_id, None)
 
     def sample(self, request_ids: list[str], logits: torch.Tensor):
-        """Return (token ids, per-row logprob maps or None) for logits [B, vocab] float32."""
-        params = [self._params[r] for r in request_ids]
-        tokens = logits.argmax(dim=-1)
-        for row, (rid, p) in enumerate(zip(request_ids, params)):
-            if not p.greedy:
-                tokens[row] = self._sample_row(logits[row], p, self._generators[rid])
+        """Return (token ids, per-row logprob maps or None) for logits [B, vocab]."""
+        states = [self.requests[r] for r in request_ids]
+        raw = logits.float()
+        x = self._processed(raw, states)
+        greedy = [i for i, s in enumerate(states) if s.params.greedy]
+        if len(greedy) == len(states):
+            tokens = x.argmax(dim=-1)
+        else:
+            tokens = torch.empty(len(states), dtype=torch.long, device=x.device)
+            if greedy:
+                tokens[_index(greedy, x.device)] = sample_draw._select(x, greedy).argmax(dim=-1)
+            rows = [i for i, s in enumerate(states) if not s.params.greedy]
+            chosen = [states[i] for i in rows]
+            ps = [s.params for s in chosen]
+            u = sample_draw.uniforms([s.seed for s in chosen], [s.num_sampled for s in chosen])
+            tokens[_index(rows, x.device)] = sample_draw.draw(
+                sample_draw._select(x, rows), [p.temperature for p in ps], [max(p.top_k, 0) for p in ps],
+                [p.top_p for p in ps], [p.min_p for p in ps], u)
         token_list = tokens.tolist()
+        for state, token in zip(states, token_list):
+            state.num_sampled += 1
+            if state.params.penalized:
+                state.output_token_ids.append(token)
         logprobs = None
-        if any(p.logprobs is not None for p in params):
-            logprobs = self._logprobs(logits, token_list, params)
+        wanted = [i for i, s in enumerate(states) if s.params.logprobs is not None]
+        if wanted:
+            logprobs = [None] * len(states)
+            entries = logprob_entries(sample_draw._select(raw, wanted), tokens[_index(wanted, raw.device)],
+                                      [states[i].params.logprobs for i in wanted])
+            for i, entry in zip(wanted, entries):
+                logprobs[i] = entry
         return token_list, logprobs
 
-    @staticmethod
-    def _sample_row(row: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:
-        scores = row / p.temperature
-        if p.top_k != -1 and p.top_k < scores.numel():
-            kth = torch.topk(scores, p.top_k).values[-1]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        if p.top_p < 1.0:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            cumulative = torch.cumsum(sorted_probs, dim=-1)
-            drop = cumulative - sorted_probs >= p.top_p  # keep the smallest prefix reaching top_p
-            sorted_probs[drop] = 0.0
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        return int(torch.multinomial(probs, 1, generator=generator))
+    def _processed(self, raw: torch.Tensor, states: list[RequestState]) -> torch.Tensor:
+        """min_tokens masks, then penalties, on a copy when any row has them (vLLM's order)."""
+        under_min = [i for i, s in enumerate(states)
+                     if s.stop_ids and s.num_sampled < s.params.min_tokens]
+        penalized = [i for i, s in enumerate(states) if s.params.penalized]
+        if not under_min and not penalized:
+            return raw
+        x = raw.clone()
+        if under_min:
+            mask_stop_ids(x, under_min, [states[i].stop_ids for i in under_min])
+        if penalized:
+            apply_penalties(x, penalized, [states[i] for i in penalized])
+        return x
 
-    @staticmethod
-    def _logprobs(logits, tokens, params):
-        """Top-K logprobs of the model's distribution, plus the sampled token (as vLLM does):
-        per row {token id: (logprob, rank)}, rank 1 being the most likely token."""
-        logp = torch.log_softmax(logits, dim=-1)
-        out = []
-        for row, (token, p) in enumerate(zip(tokens, params)):
-            if p.logprobs is None:
-                out.append(None)
-                continue
-            entry = {}
-            if p.logprobs > 0:
-                values, ids = torch.topk(logp[row], min(p.logprobs, logp.shape[-1]))
-                entry = {int(i): (float(v), rank) for rank, (i, v) in enumerate(zip(ids, values), start=1)}
-            if int(token) not in entry:
-                value = logp[row, token]
-                entry[int(token)] = (float(value), int((logp[row] > value).sum()) + 1)
-            out.append(entry)
-        return out
+
+def logprob_entries(logits: torch.Tensor, tokens: torch.Tensor, counts: list[int]):
+    """Per row {token id: (logprob, rank)}: the row's top `count` tokens of the model's own
+    distribution (log_softmax of the raw logits) plus the given token, rank 1 the most likely."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    ranks = (logp > chosen.unsqueeze(1)).sum(dim=1) + 1
+    kmax = min(max(counts), logp.shape[-1])
+    top_vals, top_ids = (logp.topk(kmax, dim=-1) if kmax else (logp[:, :0], logp[:, :0].long()))
+    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    out = []
+    for row, (token, value, rank, k) in enumerate(zip(tokens.tolist(), chosen.tolist(), ranks.tolist(), counts)):
+        entry = {i: (v, r) for r, (i, v) in enumerate(zip(top_ids[row][:k], top_vals[row][:k]), start=1)}
+        if token not in entry:
+            entry[token] = (value, rank)
+        out.append(entry)
+    return out
+
+
+def _index(rows: list[int], device) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.long).to(device)

@@ -9,7 +9,7 @@ from spmd_engine.config import ConfigError
 
 @dataclass
 class SamplingParams:
-    """vLLM's names and meanings. temperature 0 is greedy; top_k -1 means no limit.
+    """vLLM's names and meanings. temperature 0 is greedy; top_k -1 or 0 means no limit.
 
     `seed` fixes this request's random stream. Left as None, the engine derives
     it from the engine seed and the prompt's index in the whole input, so a
@@ -18,7 +18,16 @@ class SamplingParams:
     seed's k-th neighbour). `logprobs=0` returns the sampled token's logprob,
     K > 0 the top K as well: the model's own distribution (log_softmax of the
     raw logits, before temperature / top-k / top-p, as vLLM's default
-    "raw_logprobs").
+    "raw_logprobs"). `prompt_logprobs=K` does the same for every prompt token
+    after the first (the request then skips the prefix cache, as vLLM).
+
+    Processing order, as vLLM's sampler: `min_tokens` masks EOS and
+    `stop_token_ids`; penalties (`repetition_penalty` over prompt and output
+    tokens: positive logits divided, negative multiplied; `frequency_penalty` x
+    count and `presence_penalty` over output tokens only, subtracted); then
+    temperature, `min_p` (drop tokens below min_p x the top probability),
+    `top_k`, `top_p`. A sampled id in `stop_token_ids` ends the request with
+    finish_reason "stop" and stop_reason that id, and stays in the output.
     """
 
     max_tokens: int = 16
@@ -29,7 +38,13 @@ class SamplingParams:
     logprobs: int | None = None
     ignore_eos: bool = False
     n: int = 1  # samples per prompt: RequestOutput.outputs[0..n-1]
-
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -38,11 +53,26 @@ class SamplingParams:
             raise ConfigError(f"temperature must be a number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
-            raise ConfigError(f"top_k must be -1 (no limit) or an integer >= 1, got {self.top_k!r}")
-        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
-                                          or self.logprobs < 0):
-            raise ConfigError(f"logprobs must be an integer >= 0, got {self.logprobs!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ConfigError(f"top_k must be -1 or 0 (no limit) or an integer >= 1, got {self.top_k!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")
+        _check_number("min_p", self.min_p, lambda v: 0 <= v <= 1, "in [0, 1]")
+        _check_number("repetition_penalty", self.repetition_penalty, lambda v: v > 0, "> 0")
+        _check_number("presence_penalty", self.presence_penalty, lambda v: -2 <= v <= 2, "in [-2, 2]")
+        _check_number("frequency_penalty", self.frequency_penalty, lambda v: -2 <= v <= 2, "in [-2, 2]")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ConfigError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise ConfigError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if self.stop_token_ids is not None:
+            ids = self.stop_token_ids
+            if (not isinstance(ids, (list, tuple))
+                    or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids)):
+                raise ConfigError(f"stop_token_ids must be a list of token ids >= 0, got {ids!r}")
+            self.stop_token_ids = list(ids)
         if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
             raise ConfigError(f"n must be an integer >= 1 (samples per prompt), got n={self.n!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
@@ -51,3 +81,18 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def top_k_limit(self) -> int | None:
+        """The top-k limit, or None when off (-1 and 0 both mean no limit, as vLLM)."""
+        return self.top_k if self.top_k > 0 else None
+
+    @property
+    def penalized(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+
+def _check_number(name: str, value, ok, allowed: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or not ok(value):
+        raise ConfigError(f"{name} must be a number {allowed}, got {name}={value!r}")

@@ -10,19 +10,25 @@ so they stay small. A request's sampling settings and prompt length travel once
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from spmd_engine.sampling_params import SamplingParams
 
 
 @dataclass
 class NewRequestData:
-    """Sent once, when a request is first scheduled: what the runner keeps about it."""
+    """Sent once, when a request is first scheduled: what the runner keeps about it.
+
+    `stop_ids` (EOS and stop_token_ids) are masked while under min_tokens; the
+    prompt's ids travel only when repetition_penalty or prompt_logprobs need them.
+    """
 
     request_id: str
     params: SamplingParams
     seed: int
     num_prompt_tokens: int
+    stop_ids: list[int] = field(default_factory=list)
+    prompt_token_ids: list[int] | None = None
 
 
 @dataclass
@@ -60,11 +66,14 @@ class SchedulerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    """The output rank's reply: one sampled token per sampling sequence, in schedule order."""
+    """The output rank's reply: one sampled token per sampling sequence, in schedule order.
+    `prompt_logprobs`: per request that asked, the entries of the prompt tokens computed this
+    step ({token id: (logprob, rank)} each, in prompt order, the first prompt token excluded)."""
 
     request_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[dict[int, tuple[float, int]] | None] | None = None
+    prompt_logprobs: dict[str, list[dict[int, tuple[float, int]]]] | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput([], [], None)

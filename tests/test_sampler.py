@@ -55,7 +55,7 @@ def test_top_k_1_and_tiny_top_p_are_greedy():
 
 
 @pytest.mark.parametrize("kwargs", [{"max_tokens": 0}, {"temperature": -1}, {"top_p": 0}, {"top_p": 1.5},
-                                    {"top_k": 0}, {"logprobs": -1}])
+                                    {"top_k": -2}, {"logprobs": -1}])
 def test_invalid_sampling_params(kwargs):
     with pytest.raises(ConfigError):
         SamplingParams(**kwargs)

@@ -356,16 +356,23 @@ def _to_output(samples: list[Request], inputs) -> RequestOutput:
     first = samples[0]
     completions = [_completion(k, r, inputs) for k, r in enumerate(samples)]
     request_id = first.request_id.split("_", 1)[1] if "_" in first.request_id else first.request_id
-    return RequestOutput(request_id, first.prompt, list(first.prompt_token_ids), completions)
+    prompt_logprobs = None
+    if first.params.prompt_logprobs is not None:
+        prompt_logprobs = [None] + [_logprob_dict(step, inputs) for step in first.prompt_logprobs or []]
+    return RequestOutput(request_id, first.prompt, list(first.prompt_token_ids), completions,
+                         prompt_logprobs=prompt_logprobs)
+
+
+def _logprob_dict(step: dict[int, tuple[float, int]], inputs) -> dict[int, Logprob]:
+    decode = inputs.decode if inputs.tokenizer is not None else (lambda ids: None)
+    return {token: Logprob(value, rank, decode([token])) for token, (value, rank) in step.items()}
 
 
 def _completion(index: int, request: Request, inputs) -> CompletionOutput:
     text = inputs.decode(request.output_token_ids)
     logprobs = cumulative = None
     if request.logprobs is not None:
-        decode = inputs.decode if inputs.tokenizer is not None else (lambda ids: None)
-        logprobs = [{token: Logprob(value, rank, decode([token])) for token, (value, rank) in step.items()}
-                    for step in request.logprobs]
+        logprobs = [_logprob_dict(step, inputs) for step in request.logprobs]
         cumulative = sum(step[token].logprob for step, token in zip(logprobs, request.output_token_ids))
     return CompletionOutput(index, text, list(request.output_token_ids), request.finish_reason, logprobs,
-                            cumulative)
+                            cumulative, request.stop_reason)

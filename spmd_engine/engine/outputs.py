@@ -18,10 +18,11 @@ class CompletionOutput:
     index: int  # which of the request's n samples
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" (EOS), "length" (max_tokens or max_model_len)
+    finish_reason: str | None  # "stop" (EOS, stop_token_ids), "length" (max_tokens or max_model_len)
     # Per generated token {token id: Logprob}: the sampled token, and the top K (logprobs=K).
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs (with logprobs)
+    stop_reason: int | str | None = None  # the stop_token_ids id that ended it (None for EOS)
 
 
 @dataclass
@@ -31,3 +32,5 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
+    # prompt_logprobs=K: per prompt token {token id: Logprob}, None for the first (vLLM's shape).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

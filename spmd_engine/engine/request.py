@@ -26,6 +26,8 @@ class Request:
     logprobs: list[dict[int, tuple[float, int]]] | None = None
     num_computed_tokens: int = 0  # tokens whose K/V are in this request's blocks
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop_token_ids id that ended it
+    prompt_logprobs: list[dict[int, tuple[float, int]]] | None = None  # prompt tokens 1..P-1
     num_preemptions: int = 0
     # Chain hashes of this request's full blocks, computed once each (prefix caching).
     block_hashes: list[bytes] = field(default_factory=list, repr=False)

@@ -87,7 +87,8 @@ class Scheduler:
         bs = self.kv.block_size
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            hits = self.kv.get_computed_blocks(request)
+            # prompt_logprobs need every prompt position's logits: no prefix-cache hits (as vLLM).
+            hits = [] if request.params.prompt_logprobs is not None else self.kv.get_computed_blocks(request)
             computed = len(hits) * bs
             n = request.num_tokens - computed
             if n > budget and not self.config.enable_chunked_prefill:
@@ -103,11 +104,18 @@ class Scheduler:
             request.num_computed_tokens = computed
             if request.request_id not in self._known_to_runner:
                 self._known_to_runner.add(request.request_id)
-                new.append(NewRequestData(request.request_id, request.params, request.seed,
-                                          request.num_prompt_tokens))
+                new.append(self._new_request_data(request))
             seqs.append(self._scheduled(request, n, added, new_block_table=True))
             budget -= n
         return budget
+
+    def _new_request_data(self, request: Request) -> NewRequestData:
+        p = request.params
+        stop_ids = ([] if self.eos_token_id is None else [self.eos_token_id]) + list(p.stop_token_ids or [])
+        needs_prompt = p.repetition_penalty != 1.0 or p.prompt_logprobs is not None
+        return NewRequestData(request.request_id, p, request.seed, request.num_prompt_tokens,
+                              stop_ids if p.min_tokens else [],
+                              list(request.prompt_token_ids) if needs_prompt else None)
 
     def _scheduled(self, request: Request, n: int, added: list[int], new_block_table: bool) -> ScheduledSeq:
         start = request.num_computed_tokens
@@ -133,6 +141,9 @@ class Scheduler:
                 f"expected samples for {sampling}"
             )
         by_id = {r.request_id: r for r in self.running}
+        for rid, entries in (model_output.prompt_logprobs or {}).items():
+            request = by_id[rid]
+            request.prompt_logprobs = (request.prompt_logprobs or []) + entries
         finished = []
         for i, (rid, token) in enumerate(zip(model_output.request_ids, model_output.sampled_token_ids)):
             request = by_id[rid]
@@ -151,9 +162,14 @@ class Scheduler:
         return finished
 
     def _finish_reason(self, request: Request, token: int) -> str | None:
-        if token == self.eos_token_id and not request.params.ignore_eos:
-            return "stop"
-        if len(request.output_token_ids) >= request.params.max_tokens:
+        p = request.params
+        if len(request.output_token_ids) >= p.min_tokens:
+            if token == self.eos_token_id and not p.ignore_eos:
+                return "stop"
+            if p.stop_token_ids and token in p.stop_token_ids:
+                request.stop_reason = token  # kept in the output, as vLLM
+                return "stop"
+        if len(request.output_token_ids) >= p.max_tokens:
             return "length"
         if request.num_tokens >= self.config.max_model_len:
             return "length"

@@ -1,0 +1,162 @@
+"""Vectorised random draws: temperature, min_p, top_k, top_p, then one uniform per row.
+
+Why inverse-CDF with one counter-based uniform per row (rather than Gumbel /
+exponential noise over the vocabulary, or a torch.Generator per request):
+- The uniform is splitmix64(seed, output position), computed for all rows at
+  once on the host (B numbers, nothing else): a request's draw depends only on
+  its seed, how many tokens it has sampled and its own logits, never on which
+  rows share the batch, which replica runs it or how many ranks compute it, and
+  every rank computes the same bits. Noise over the vocabulary would cost
+  B x V random numbers a step, as much work as the logits themselves.
+- The kept tokens are ordered by vocabulary id for the cumulative sum, so ties
+  between equal logits (common in bf16) cannot change the outcome, and every
+  filter is a value threshold (top_k keeps ties of the k-th value, as vLLM).
+
+Rows with a top_k (the usual RL setting) never touch the full vocabulary
+beyond one max-per-chunk pass: the k-th largest value is found among the
+tokens of the top chunks (`_top_candidates`), which is exact whenever that
+value lies strictly above the smallest gathered chunk maximum (checked per
+row; the rare row that fails takes the full path, with the same result).
+Rows without a top_k use the full path: cumulative sums over the vocabulary,
+plus one sort when they set top_p (as vLLM).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+CHUNK = 64  # tokens per chunk of the max-per-chunk pass
+_M64 = (1 << 64) - 1
+
+
+def uniforms(seeds: list[int], positions: list[int]) -> torch.Tensor:
+    """One float64 in [0, 1) per row from (seed, position): two splitmix64 rounds."""
+    s = np.array([x & _M64 for x in seeds], dtype=np.uint64)
+    p = np.array(positions, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        h = _mix(_mix(s ^ np.uint64(0x5851F42D4C957F2D)) + (p + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15))
+    return torch.from_numpy((h >> np.uint64(11)).astype(np.float64) * 2.0 ** -53)
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def draw(x: torch.Tensor, temperature: list[float], top_k: list[int], top_p: list[float],
+         min_p: list[float], u: torch.Tensor, bounded: bool = True) -> torch.Tensor:
+    """Sampled ids [R] for float32 logits [R, V] (top_k 0 = off). `bounded=False` forces the
+    full-vocabulary path (the reference the bounded path must equal)."""
+    rows, vocab = x.shape
+    device = x.device
+    out = torch.empty(rows, dtype=torch.long, device=device)
+    limit = vocab // CHUNK // 4
+    fast = [i for i, k in enumerate(top_k) if bounded and 0 < k and 2 * k + 8 <= limit]
+    fast_set = set(fast)
+    slow = [i for i in range(rows) if i not in fast_set]
+    if fast:
+        vals, ids, kth, exact = _top_candidates(_select(x, fast), [top_k[i] for i in fast])
+        p = _params(fast, temperature, top_p, min_p, device)
+        out[_index(fast, device)] = _choose(vals, ids, kth, *p, u[fast].to(device))
+        # A row whose k-th value ties the gathered floor is redone on the full path.
+        slow = sorted(slow + [i for i, good in zip(fast, exact.tolist()) if not good])
+    if slow:
+        sel = _select(x, slow)
+        ks = [top_k[i] for i in slow]
+        kth = _kth_full(sel, ks)
+        ids = torch.arange(vocab, device=device).expand(len(slow), vocab)
+        p = _params(slow, temperature, top_p, min_p, device)
+        out[_index(slow, device)] = _choose(sel, ids, kth, *p, u[slow].to(device), ordered=True)
+    return out
+
+
+def _select(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    return x if rows == list(range(x.shape[0])) else x.index_select(0, _index(rows, x.device))
+
+
+def _index(rows: list[int], device) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.long).to(device)
+
+
+def _params(rows, temperature, top_p, min_p, device):
+    t = torch.tensor([float(temperature[i]) for i in rows], dtype=torch.float32).to(device)
+    tp = torch.tensor([float(top_p[i]) for i in rows], dtype=torch.float64).to(device)
+    mp = [float(min_p[i]) for i in rows]
+    return t, tp, (torch.tensor(mp, dtype=torch.float32).to(device) if any(mp) else None)
+
+
+def _top_candidates(x: torch.Tensor, ks: list[int]):
+    """For each row, a superset of its k largest logits with their ids (sorted by value),
+    its k-th largest value, and whether the superset provably holds every tie of it."""
+    rows, vocab = x.shape
+    device = x.device
+    kmax = max(ks)
+    n = vocab // CHUNK
+    chunks = x[:, : n * CHUNK].unflatten(1, (n, CHUNK))
+    g = min(n, 2 * kmax + 8)
+    cval, cidx = chunks.amax(dim=2).topk(g, dim=1)
+    floor = cval[:, -1]
+    vals = chunks[torch.arange(rows, device=device).unsqueeze(1), cidx].flatten(1)  # [R, g * CHUNK]
+    if vocab > n * CHUNK:  # the last partial chunk is always a candidate
+        vals = torch.cat([vals, x[:, n * CHUNK:]], dim=1)
+    kc = min(vals.shape[1], kmax + 16)
+    top, pos = vals.topk(kc, dim=1)
+    chunk = torch.div(pos, CHUNK, rounding_mode="floor")
+    in_gathered = chunk < g
+    ids = torch.where(in_gathered, cidx.gather(1, chunk.clamp_max(g - 1)) * CHUNK + pos % CHUNK,
+                      n * CHUNK + pos - g * CHUNK)
+    k = torch.tensor(ks, dtype=torch.long).to(device)
+    kth = top.gather(1, (k - 1).unsqueeze(1)).squeeze(1)
+    exact = kth > floor if g < n else torch.ones(rows, dtype=torch.bool, device=device)
+    if kc < vals.shape[1]:
+        exact &= top[:, -1] < kth
+    return top, ids, kth, exact
+
+
+def _kth_full(x: torch.Tensor, ks: list[int]) -> torch.Tensor | None:
+    """Each row's k-th largest logit over the whole vocabulary (-inf where top_k is off)."""
+    on = [k for k in ks if k > 0]
+    if not on:
+        return None
+    kmax = min(max(on), x.shape[1])
+    top = x.topk(kmax, dim=1).values
+    k = torch.tensor([min(k, kmax) if k > 0 else 1 for k in ks], dtype=torch.long).to(x.device)
+    kth = top.gather(1, (k - 1).unsqueeze(1)).squeeze(1)
+    off = torch.tensor([k <= 0 for k in ks]).to(x.device)
+    return kth.masked_fill(off, float("-inf"))
+
+
+def _choose(vals, ids, kth, temperature, top_p, min_p, u, ordered: bool = False) -> torch.Tensor:
+    """Inverse-CDF draw over the candidates kept by top_k (>= kth), min_p and top_p, in
+    vocabulary-id order; weights are p / p_max = exp((l - l_max) / T)."""
+    if not ordered:
+        ids, order = ids.sort(dim=1)
+        vals = vals.gather(1, order)
+    scaled = vals / temperature.unsqueeze(1)
+    weight = torch.exp(scaled - scaled.amax(dim=1, keepdim=True))
+    keep = None
+    if kth is not None:
+        keep = vals >= kth.unsqueeze(1)
+    if min_p is not None:
+        by_min_p = weight >= min_p.unsqueeze(1)
+        keep = by_min_p if keep is None else keep & by_min_p
+    if keep is not None:
+        weight = weight.masked_fill(~keep, 0.0)
+    cum = weight.cumsum(dim=1)
+    if bool((top_p < 1).any()):
+        # The nucleus: the most likely tokens whose mass first reaches top_p; every token as
+        # likely as the last one in it stays too (ties cannot split on their order).
+        desc = weight.sort(dim=1, descending=True).values.double()
+        before = desc.cumsum(dim=1) - desc
+        inside = before < top_p.unsqueeze(1) * cum[:, -1:].double()
+        least = torch.where(inside, desc, torch.inf).amin(dim=1, keepdim=True).float()
+        weight = weight.masked_fill(weight < least, 0.0)
+        cum = weight.cumsum(dim=1)
+    target = (u.unsqueeze(1) * cum[:, -1:].double()).to(cum.dtype)
+    pick = torch.searchsorted(cum, target, right=True)
+    # u * total may round up to total: stay on the last kept token.
+    positions = torch.arange(cum.shape[1], device=cum.device)
+    last = torch.where(weight > 0, positions, -1).amax(dim=1, keepdim=True)
+    return ids.gather(1, torch.minimum(pick, last)).squeeze(1)
