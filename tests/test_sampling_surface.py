@@ -146,6 +146,28 @@ def test_prompt_logprobs_equal_the_uncached_forward(llm, ckpt):
     assert none.prompt_logprobs is None
 
 
+@pytest.mark.timeout(180)
+def test_everything_at_once_is_the_same_under_tp2_pp2(llm, ckpt):
+    """Penalties' token history, min_tokens and prompt logprobs live on the last stage's ranks:
+    TP2 x PP2 worker processes give what one process gives."""
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=5, min_p=0.05, repetition_penalty=1.3,
+                            frequency_penalty=0.5, presence_penalty=0.2, min_tokens=3, top_k=0,
+                            stop_token_ids=[greedy(llm).token_ids[2]], prompt_logprobs=1, logprobs=1)
+    prompts = [PROMPT * 3, PROMPT[:4]]
+    one = llm.generate(prompts, params)
+    with LLM(model=str(ckpt), max_model_len=96, seed=3, max_num_batched_tokens=32, tensor_parallel_size=2,
+             pipeline_parallel_size=2) as other:
+        four = other.generate(prompts, params)
+    for a, b in zip(one, four):
+        ca, cb = a.outputs[0], b.outputs[0]
+        assert (ca.token_ids, ca.finish_reason, ca.stop_reason) == (cb.token_ids, cb.finish_reason, cb.stop_reason)
+        assert ca.cumulative_logprob == pytest.approx(cb.cumulative_logprob, abs=1e-3)
+        assert len(a.prompt_logprobs) == len(b.prompt_logprobs) == len(a.prompt_token_ids)
+        for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert x.keys() == y.keys()
+            assert all(x[t].logprob == pytest.approx(y[t].logprob, abs=1e-4) for t in x)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kwargs,name", [
     (dict(min_p=2), "min_p"), (dict(min_p=-0.1), "min_p"), (dict(repetition_penalty=0), "repetition_penalty"),
