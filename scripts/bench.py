@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """spmd_engine benchmarks, each figure a ratio against a baseline measured in the same run.
 
-    .venv/bin/python scripts/bench.py [--only rpc,allreduce,decode,tp,tp4,startup,load] [--quick]
+    .venv/bin/python scripts/bench.py [--only rpc,allreduce,decode,tp,tp4,startup,load,sampling] [--quick]
 
 Prints one JSON line per figure: {"name", "value", "baseline", "ratio", "unit", "params"};
 value and baseline are medians over --reps repetitions, interleaved so machine noise
@@ -27,6 +27,10 @@ Figures
              number of groups (worlds 2, 4, 8)
   load       peak RSS per rank at TP 1, 2, 4 vs checkpoint size; load throughput vs
              reading the file
+  sampling   Sampler.sample for B=256 rows x V=152,064 (fp32 logits on the device, cuda when
+             present): per-row temperature 0.8 / top-k 50 / top-p 0.9 with per-request seeds
+             vs all-greedy rows (argmax) in the same run (ratio = value / baseline, target <= 2);
+             also temperature 1 alone (the full-vocabulary path); at 1 thread and the default
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ import bench_allreduce  # noqa: E402  (measurement code reused, not copied)
 import bench_rpc_transport  # noqa: E402
 from make_random_checkpoint import make_random_checkpoint  # noqa: E402
 
-FIGURES = ("rpc", "allreduce", "decode", "capacity", "prefix", "chunked", "tp", "tp4", "startup", "load")
+FIGURES = ("rpc", "allreduce", "decode", "capacity", "prefix", "chunked", "tp", "tp4", "startup", "load", "sampling")
 LLAMA_SHAPE = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2, intermediate_size=1536,
                    vocab_size=32000, max_position_embeddings=8192)
 
@@ -476,6 +480,57 @@ def fig_load(args) -> None:
              "file (page cache warm)", load_s=round(load_s, 3), checkpoint_mib=round(size / 2 ** 20, 1))
 
 
+# ---------------------------------------------------------------- sampling
+def fig_sampling(args) -> None:
+    import torch
+
+    from spmd_engine.sampler import Sampler
+    from spmd_engine.sampling_params import SamplingParams
+    batch, vocab = 256, 152064
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    logits = (torch.randn(batch, vocab) * 2).to(device)
+    ids = [f"r{i}" for i in range(batch)]
+    kinds = {"greedy": SamplingParams(), "top_k_top_p": SamplingParams(temperature=0.8, top_k=50, top_p=0.9),
+             "temperature_only": SamplingParams(temperature=1.0)}
+    samplers = {}
+    for kind, params in kinds.items():
+        samplers[kind] = Sampler()
+        for i, rid in enumerate(ids):
+            samplers[kind].add_request(rid, params, seed=1000 + i)
+
+    def once(kind):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        samplers[kind].sample(ids, logits)  # ends with .tolist(): the ids on the host
+        return time.perf_counter() - t0
+
+    iters = 5 if args.quick else 15
+    default_threads = torch.get_num_threads()
+    for threads in sorted({1, default_threads} if device == "cpu" else {default_threads}):
+        # (a loaded shared box hurts threaded ops most: both are reported)
+        torch.set_num_threads(threads)
+        for kind in kinds:
+            once(kind)
+        meds = {kind: [] for kind in kinds}
+        load0 = loadavg()
+        for _ in range(args.reps):
+            for kind in kinds:
+                meds[kind].append(statistics.median(once(kind) for _ in range(iters)))
+        greedy = statistics.median(meds["greedy"])
+        for kind in ("top_k_top_p", "temperature_only"):
+            v = statistics.median(meds[kind])
+            emit(f"sampling_{kind}_step_ms", v * 1e3, greedy * 1e3, v / greedy, "ms",
+                 ratio_is="value/baseline, lower is better" + ("; target <= 2" if kind == "top_k_top_p" else ""),
+                 value_is=f"Sampler.sample, {batch} rows {kinds[kind]!r}, per-request seeds",
+                 baseline_is="Sampler.sample, the same rows greedy (argmax)", batch=batch, vocab=vocab,
+                 device=device, threads=threads, iters=iters, reps=args.reps,
+                 rep_medians_ms={k: [round(x * 1e3, 2) for x in meds[k]] for k in ("greedy", kind)},
+                 loadavg_1m=[load0, loadavg()])
+    torch.set_num_threads(default_threads)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default=",".join(FIGURES), help=f"comma-separated subset of {','.join(FIGURES)}")
@@ -492,7 +547,8 @@ def main() -> None:
     os.makedirs(args.workdir, exist_ok=True)
     table = {"rpc": fig_rpc, "allreduce": fig_allreduce, "decode": fig_decode, "capacity": fig_capacity,
              "prefix": fig_prefix, "chunked": fig_chunked, "tp": fig_tp,
-             "tp4": lambda a: fig_tp(a, 4), "startup": fig_startup, "load": fig_load}
+             "tp4": lambda a: fig_tp(a, 4), "startup": fig_startup, "load": fig_load,
+             "sampling": fig_sampling}
     for name in FIGURES:
         if name in chosen:
             table[name](args)

@@ -53,7 +53,7 @@ def draw(x: torch.Tensor, temperature: list[float], top_k: list[int], top_p: lis
     device = x.device
     out = torch.empty(rows, dtype=torch.long, device=device)
     limit = vocab // CHUNK // 4
-    fast = [i for i, k in enumerate(top_k) if bounded and 0 < k and 2 * k + 8 <= limit]
+    fast = [i for i, k in enumerate(top_k) if bounded and 0 < k and k + 8 <= limit]
     fast_set = set(fast)
     slow = [i for i in range(rows) if i not in fast_set]
     if fast:
@@ -66,7 +66,7 @@ def draw(x: torch.Tensor, temperature: list[float], top_k: list[int], top_p: lis
         sel = _select(x, slow)
         ks = [top_k[i] for i in slow]
         kth = _kth_full(sel, ks)
-        ids = torch.arange(vocab, device=device).expand(len(slow), vocab)
+        ids = None  # the whole vocabulary, in order
         p = _params(slow, temperature, top_p, min_p, device)
         out[_index(slow, device)] = _choose(sel, ids, kth, *p, u[slow].to(device), ordered=True)
     return out
@@ -95,10 +95,14 @@ def _top_candidates(x: torch.Tensor, ks: list[int]):
     kmax = max(ks)
     n = vocab // CHUNK
     chunks = x[:, : n * CHUNK].unflatten(1, (n, CHUNK))
-    g = min(n, 2 * kmax + 8)
+    g = min(n, kmax + 8)
     cval, cidx = chunks.amax(dim=2).topk(g, dim=1)
     floor = cval[:, -1]
-    vals = chunks[torch.arange(rows, device=device).unsqueeze(1), cidx].flatten(1)  # [R, g * CHUNK]
+    if vocab == n * CHUNK and x.is_contiguous():  # whole chunks as rows: a plain row copy
+        flat = (torch.arange(rows, device=device).unsqueeze(1) * n + cidx).flatten()
+        vals = x.view(rows * n, CHUNK).index_select(0, flat).view(rows, g * CHUNK)
+    else:
+        vals = chunks[torch.arange(rows, device=device).unsqueeze(1), cidx].flatten(1)  # [R, g * CHUNK]
     if vocab > n * CHUNK:  # the last partial chunk is always a candidate
         vals = torch.cat([vals, x[:, n * CHUNK:]], dim=1)
     kc = min(vals.shape[1], kmax + 16)
@@ -130,33 +134,31 @@ def _kth_full(x: torch.Tensor, ks: list[int]) -> torch.Tensor | None:
 
 def _choose(vals, ids, kth, temperature, top_p, min_p, u, ordered: bool = False) -> torch.Tensor:
     """Inverse-CDF draw over the candidates kept by top_k (>= kth), min_p and top_p, in
-    vocabulary-id order; weights are p / p_max = exp((l - l_max) / T)."""
+    vocabulary-id order (`ordered`: vals is the whole vocabulary already); weights are
+    p / p_max = exp((l - l_max) / T). Full-size temporaries are updated in place."""
     if not ordered:
         ids, order = ids.sort(dim=1)
         vals = vals.gather(1, order)
-    scaled = vals / temperature.unsqueeze(1)
-    weight = torch.exp(scaled - scaled.amax(dim=1, keepdim=True))
-    keep = None
+    weight = vals - vals.amax(dim=1, keepdim=True)
+    weight.div_(temperature.unsqueeze(1)).exp_()
     if kth is not None:
-        keep = vals >= kth.unsqueeze(1)
+        weight.masked_fill_(vals < kth.unsqueeze(1), 0.0)
     if min_p is not None:
-        by_min_p = weight >= min_p.unsqueeze(1)
-        keep = by_min_p if keep is None else keep & by_min_p
-    if keep is not None:
-        weight = weight.masked_fill(~keep, 0.0)
-    cum = weight.cumsum(dim=1)
-    if bool((top_p < 1).any()):
+        weight.masked_fill_(weight < min_p.unsqueeze(1), 0.0)
+    nucleus = bool((top_p < 1).any())
+    cum = weight.cumsum(dim=1) if nucleus else weight.cumsum_(dim=1)
+    if nucleus:
         # The nucleus: the most likely tokens whose mass first reaches top_p; every token as
         # likely as the last one in it stays too (ties cannot split on their order).
-        desc = weight.sort(dim=1, descending=True).values.double()
-        before = desc.cumsum(dim=1) - desc
-        inside = before < top_p.unsqueeze(1) * cum[:, -1:].double()
-        least = torch.where(inside, desc, torch.inf).amin(dim=1, keepdim=True).float()
-        weight = weight.masked_fill(weight < least, 0.0)
+        desc = weight.sort(dim=1, descending=True).values
+        before = desc.cumsum(dim=1).sub_(desc)
+        inside = (before < (top_p.unsqueeze(1) * cum[:, -1:].double()).float()).sum(dim=1, keepdim=True)
+        del before
+        weight.masked_fill_(weight < desc.gather(1, inside - 1), 0.0)
+        del desc
         cum = weight.cumsum(dim=1)
-    target = (u.unsqueeze(1) * cum[:, -1:].double()).to(cum.dtype)
-    pick = torch.searchsorted(cum, target, right=True)
-    # u * total may round up to total: stay on the last kept token.
-    positions = torch.arange(cum.shape[1], device=cum.device)
-    last = torch.where(weight > 0, positions, -1).amax(dim=1, keepdim=True)
-    return ids.gather(1, torch.minimum(pick, last)).squeeze(1)
+    total = cum[:, -1:].contiguous()
+    pick = torch.searchsorted(cum, (u.unsqueeze(1) * total.double()).to(cum.dtype), right=True)
+    # u * total may round up to total: stay on the last kept token (where cum reaches total).
+    pick = torch.minimum(pick, torch.searchsorted(cum, total))
+    return pick.squeeze(1) if ordered else ids.gather(1, pick).squeeze(1)
