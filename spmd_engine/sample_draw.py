@@ -57,13 +57,13 @@ def draw(x: torch.Tensor, temperature: list[float], top_k: list[int], top_p: lis
     fast_set = set(fast)
     slow = [i for i in range(rows) if i not in fast_set]
     if fast:
-        vals, ids, kth, exact = _top_candidates(_select(x, fast), [top_k[i] for i in fast])
+        vals, ids, kth, exact = _top_candidates(select_rows(x, fast), [top_k[i] for i in fast])
         p = _params(fast, temperature, top_p, min_p, device)
         out[_index(fast, device)] = _choose(vals, ids, kth, *p, u[fast].to(device))
         # A row whose k-th value ties the gathered floor is redone on the full path.
         slow = sorted(slow + [i for i, good in zip(fast, exact.tolist()) if not good])
     if slow:
-        sel = _select(x, slow)
+        sel = select_rows(x, slow)
         ks = [top_k[i] for i in slow]
         kth = _kth_full(sel, ks)
         ids = None  # the whole vocabulary, in order
@@ -72,7 +72,8 @@ def draw(x: torch.Tensor, temperature: list[float], top_k: list[int], top_p: lis
     return out
 
 
-def _select(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+def select_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """The given rows (x itself when that is all of them: no copy)."""
     return x if rows == list(range(x.shape[0])) else x.index_select(0, _index(rows, x.device))
 
 

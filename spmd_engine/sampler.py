@@ -54,13 +54,13 @@ class Sampler:
         else:
             tokens = torch.empty(len(states), dtype=torch.long, device=x.device)
             if greedy:
-                tokens[_index(greedy, x.device)] = sample_draw._select(x, greedy).argmax(dim=-1)
+                tokens[_index(greedy, x.device)] = sample_draw.select_rows(x, greedy).argmax(dim=-1)
             rows = [i for i, s in enumerate(states) if not s.params.greedy]
             chosen = [states[i] for i in rows]
             ps = [s.params for s in chosen]
             u = sample_draw.uniforms([s.seed for s in chosen], [s.num_sampled for s in chosen])
             tokens[_index(rows, x.device)] = sample_draw.draw(
-                sample_draw._select(x, rows), [p.temperature for p in ps], [max(p.top_k, 0) for p in ps],
+                sample_draw.select_rows(x, rows), [p.temperature for p in ps], [max(p.top_k, 0) for p in ps],
                 [p.top_p for p in ps], [p.min_p for p in ps], u)
         token_list = tokens.tolist()
         for state, token in zip(states, token_list):
@@ -71,7 +71,7 @@ class Sampler:
         wanted = [i for i, s in enumerate(states) if s.params.logprobs is not None]
         if wanted:
             logprobs = [None] * len(states)
-            entries = logprob_entries(sample_draw._select(raw, wanted), tokens[_index(wanted, raw.device)],
+            entries = logprob_entries(sample_draw.select_rows(raw, wanted), tokens[_index(wanted, raw.device)],
                                       [states[i].params.logprobs for i in wanted])
             for i, entry in zip(wanted, entries):
                 logprobs[i] = entry
