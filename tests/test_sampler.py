@@ -113,12 +113,14 @@ def test_bounded_top_k_path_equals_the_full_path_including_ties():
     temps = [0.3 + 0.05 * i for i in range(rows)]
     top_p = [1.0 if i % 3 == 0 else 0.5 + 0.01 * i for i in range(rows)]
     min_p = [0.0 if i % 4 else 0.1 for i in range(rows)]
-    for step in range(4):
-        u = sample_draw.uniforms(list(range(rows)), [step] * rows)
-        fast = sample_draw.draw(x, temps, ks, top_p, min_p, u)
-        full = sample_draw.draw(x, temps, ks, top_p, min_p, u, bounded=False)
-        assert fast.tolist() == full.tolist()
-    assert int(fast[5]) < 300 and x[6, int(fast[6])] == 15.0
+    # Whole chunks, a partial last chunk, and a strided (non-contiguous) view of the logits.
+    for logits in (x, x[:, :vocab - 37].contiguous(), x[:, :vocab - 37]):
+        for step in range(3):
+            u = sample_draw.uniforms(list(range(rows)), [step] * rows)
+            fast = sample_draw.draw(logits, temps, ks, top_p, min_p, u)
+            full = sample_draw.draw(logits, temps, ks, top_p, min_p, u, bounded=False)
+            assert fast.tolist() == full.tolist()
+        assert int(fast[5]) < 300 and x[6, int(fast[6])] == 15.0
 
 
 def test_uniforms_depend_on_seed_and_position_only():
