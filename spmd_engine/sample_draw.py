@@ -99,9 +99,10 @@ def _top_candidates(x: torch.Tensor, ks: list[int]):
     g = min(n, kmax + 8)
     cval, cidx = chunks.amax(dim=2).topk(g, dim=1)
     floor = cval[:, -1]
-    if vocab == n * CHUNK and x.is_contiguous():  # whole chunks as rows: a plain row copy
-        flat = (torch.arange(rows, device=device).unsqueeze(1) * n + cidx).flatten()
-        vals = x.view(rows * n, CHUNK).index_select(0, flat).view(rows, g * CHUNK)
+    if x.is_contiguous():  # a plain copy of g whole chunks per row, through a sliding window
+        window = x.as_strided((rows * vocab - CHUNK + 1, CHUNK), (1, 1), x.storage_offset())
+        starts = (torch.arange(rows, device=device).unsqueeze(1) * vocab + cidx * CHUNK).flatten()
+        vals = window.index_select(0, starts).view(rows, g * CHUNK)
     else:
         vals = chunks[torch.arange(rows, device=device).unsqueeze(1), cidx].flatten(1)  # [R, g * CHUNK]
     if vocab > n * CHUNK:  # the last partial chunk is always a candidate
