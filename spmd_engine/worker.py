@@ -147,6 +147,11 @@ class Worker:
     def sample_tokens(self, grammar_output=None) -> ModelRunnerOutput | None:
         return self.model_runner.sample_tokens(grammar_output)
 
+    def execute_and_sample(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
+        """One message per step for an engine with steps in flight: run, then sample."""
+        result = self.model_runner.execute_model(out)
+        return result if result is not None else self.model_runner.sample_tokens(None)
+
     def get_runner_stats(self) -> dict:
         return self.model_runner.get_stats()
 
