@@ -79,3 +79,27 @@ def test_in_process_engine_refuses_to_replace_a_callers_default_group():
     assert "ERROR torch.distributed's default process group already exists" in proc.stdout
     assert "external_launcher" in proc.stdout
     assert "TEXT  better \n" in proc.stdout and "SUM 1.0 True" in proc.stdout, proc.stdout
+
+
+@pytest.mark.timeout(90)
+def test_llm_under_srun_without_torchrun_resolves_to_external_launcher():
+    """srun tasks (SLURM_* only, no RANK / WORLD_SIZE): LLM with no backend joins the step's world
+    as the CLI does, instead of each task spawning a private mp engine."""
+    code = (
+        "import os, torch.distributed as dist\n"
+        "from spmd_engine import LLM, SamplingParams\n"
+        "with LLM(tensor_parallel_size=2, seed=0) as llm:\n"
+        "    text = llm.generate(['Beautiful is'], SamplingParams(max_tokens=8))[0].outputs[0].text\n"
+        "    worker = llm.llm_engine.model_executor.driver_worker\n"
+        "    print('SRUN', os.environ['SLURM_PROCID'], worker.rank, dist.get_world_size(),\n"
+        "          llm.config.parallel_config.distributed_executor_backend, repr(text), flush=True)\n"
+    )
+
+    def env(rank, port):
+        return dict(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS="2", SLURM_STEP_ID="0",
+                    SLURM_NODEID="0", SLURM_JOB_ID="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    launch = run_ranks_on_free_port(2, ["-c", code], env, timeout=70)
+    assert launch.returncode == 0, launch.describe()
+    lines = sorted(line for line in launch.stdout.splitlines() if line.startswith("SRUN"))
+    assert lines == [f"SRUN {r} {r} 2 external_launcher ' better '" for r in range(2)], launch.describe()
+    assert not launch.leftover_pids and not launch.stale_segments()
