@@ -10,6 +10,7 @@ import re
 
 import pytest
 
+from conftest import require_reference
 from launch import REPO, run_torchrun
 
 SCRIPT = str(REPO / "scripts" / "examples" / "rl_colocate.py")
@@ -18,6 +19,7 @@ SHORT = ["--steps", "4", "--lr", "3e-3", "--prompts-per-replica", "2"]
 
 def _run(extra: list[str]) -> tuple[list[float], list[float]]:
     """The reward per step and the largest |trainer - engine| logprob difference per step."""
+    require_reference("transformers")  # the example's trainer model
     launch = run_torchrun(4, [SCRIPT, *SHORT, *extra], timeout=110)
     assert launch.returncode == 0, launch.describe()
     assert not launch.leftover_pids and not launch.stale_segments(), launch.describe()
