@@ -33,11 +33,12 @@ def _run(extra: list[str]) -> tuple[list[float], list[float]]:
 def test_grpo_reward_rises_when_the_weights_reach_the_engine():
     curve, diffs = _run([])
     assert max(diffs) < 1e-3, diffs  # trainer and engine run the same weights at every step
-    assert curve[-1] == max(curve) and curve[-1] > curve[0] + 1.0, curve
+    assert curve[-1] == max(curve) and curve[-1] > curve[0] + 2.0, curve  # here: 1.50 -> 5.75
 
 
 @pytest.mark.timeout(120)
 def test_without_the_weight_push_the_engine_stays_on_the_old_policy():
     curve, diffs = _run(["--no-weight-sync"])
     assert diffs[0] < 1e-3 and min(diffs[1:]) > 1.0, diffs  # the trainer moved, the engine did not
-    assert max(curve) < curve[0] + 1.0, curve
+    # Here 1.50, 1.56, 1.63, 1.50: draws from one policy (the 10-step control's spread over 0.34).
+    assert max(curve) < curve[0] + 2.0, curve
