@@ -43,8 +43,9 @@ def resolve_backend(
     An explicit value wins (a string from BACKENDS, or an Executor subclass: the
     subclass check itself lives in Executor.get_class, which config may not
     import). Under a torchrun or srun launch the default is external_launcher, since
-    the launcher already made every process (as the CLI resolves it). Otherwise "mp" as soon as more than one
-    rank is in play across DP, and "uni" only when TP = PP = PCP = DP = 1.
+    the launcher already made every process (the CLI resolves it alike). Otherwise
+    "mp" as soon as more than one rank is in play across DP, and "uni" only when
+    TP = PP = PCP = DP = 1.
     """
     if requested is not None:
         if isinstance(requested, type):
