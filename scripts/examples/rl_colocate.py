@@ -88,6 +88,15 @@ def token_logprobs(model, prompt_ids: list[list[int]], completions: list[list[in
     return out, mask
 
 
+def engine_logprobs(completions, shape) -> torch.Tensor:
+    """The engine's logprob of each sampled token (`logprobs=0`), laid out as token_logprobs'."""
+    out = torch.zeros(shape)
+    for row, c in enumerate(completions):
+        out[row, : len(c.token_ids)] = torch.tensor([c.logprobs[t][tok].logprob
+                                                     for t, tok in enumerate(c.token_ids)])
+    return out
+
+
 def world_mean(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t)
@@ -126,7 +135,8 @@ def main(argv=None) -> list[float]:
     for step in range(args.steps):
         outs = rollout(llm, prompts, args, step, first)
         samples = [(o.prompt_token_ids, c) for o in outs for c in o.outputs]
-        rewards = torch.tensor([float(c.text.count(args.letter)) for _, c in samples]).view(len(outs), args.samples)
+        rewards = torch.tensor([float(c.text.count(args.letter)) for _, c in samples])
+        rewards = rewards.view(len(outs), args.samples)
         advantages = group_advantages(rewards).view(-1)
         # Both ranks of a replica hold the same samples: each trains on its half.
         mine = list(range(tp_rank, len(samples), TP))
@@ -134,11 +144,7 @@ def main(argv=None) -> list[float]:
 
         logprobs, mask = token_logprobs(trainer, [samples[i][0] for i in mine],
                                         [samples[i][1].token_ids for i in mine])
-        engine = torch.zeros_like(logprobs)
-        for row, i in enumerate(mine):
-            c = samples[i][1]
-            engine[row, : len(c.token_ids)] = torch.tensor(
-                [c.logprobs[t][tok].logprob for t, tok in enumerate(c.token_ids)])
+        engine = engine_logprobs([samples[i][1] for i in mine], logprobs.shape)
         diff = ((logprobs.detach() - engine).abs() * mask).max().item()
         per_sample = (logprobs * mask).sum(1) / mask.sum(1)
         loss = -(advantages[mine] * per_sample).mean()
@@ -156,9 +162,8 @@ def main(argv=None) -> list[float]:
         diff = world_max(diff)
         curve.append(round(reward, 4))
         if rank == 0:
-            print(f"step {step:2d}  mean reward {reward:6.3f}  "
-                  f"max |trainer - engine logprob| {diff:.2e}  ({replicas} replicas x {len(samples)} samples)",
-                  flush=True)
+            print(f"step {step:2d}  mean reward {reward:6.3f}  max |trainer - engine logprob| {diff:.2e}"
+                  f"  ({replicas} replicas x {len(samples)} samples)", flush=True)
     if rank == 0:
         print("REWARD_CURVE " + json.dumps(curve), flush=True)
     llm.shutdown()  # the engine's groups only: the trainer's world is still up

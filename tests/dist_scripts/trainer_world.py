@@ -44,8 +44,8 @@ if __name__ == "__main__":
         dist.init_process_group("gloo")
     else:
         assert "RANK" not in os.environ and "WORLD_SIZE" not in os.environ
-        dist.init_process_group("gloo", init_method=os.environ["TRAINER_INIT"], rank=int(os.environ["TRAINER_RANK"]),
-                                world_size=int(os.environ["TRAINER_WORLD"]))
+        dist.init_process_group("gloo", init_method=os.environ["TRAINER_INIT"],
+                                rank=int(os.environ["TRAINER_RANK"]), world_size=int(os.environ["TRAINER_WORLD"]))
     rank = dist.get_rank()
     # The trainer's own subgroups (every rank makes every group, in the same order).
     evens, odds = dist.new_group([0, 2]), dist.new_group([1, 3])
