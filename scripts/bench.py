@@ -525,7 +525,20 @@ def rank_phases(nproc: int, tp: int, pp: int, dp: int, model: str | None = None,
     return wall, json.loads(line.removeprefix("BENCH_RANK "))
 
 
+def emit_startup_store_ops() -> None:
+    """Issue 17: launcher-store operations per rank from the layout alone (no processes; the
+    model is checked against counted operations in tests/test_startup_cost.py)."""
+    from spmd_engine import topology
+    from spmd_engine.distributed.startup_cost import startup_store_ops
+    for world, tp, pp in ((8, 2, 2), (64, 8, 2), (512, 8, 2)):
+        ops = startup_store_ops(topology.Layout.for_world(world, tp=tp, pp=pp))
+        emit(f"startup_store_ops_world{world}", ops["max_per_rank"], world, ops["max_per_rank"] / world, "operations",
+             ratio_is="max per rank / world size: constant as the world grows means O(world) per rank",
+             layout=f"tp{tp} pp{pp} external dp{world // (tp * pp)}", total_all_ranks=ops["total"])
+
+
 def fig_startup(args) -> None:
+    emit_startup_store_ops()
     reps = 1 if args.quick else max(1, args.reps // 2)
     with tempfile.TemporaryDirectory() as tmp:
         walls = []
