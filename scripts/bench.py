@@ -458,7 +458,7 @@ def fig_mixed(args) -> None:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     from spmd_engine import LLM, SamplingParams
-    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)  # psutil notices on CPU
     model_dir = random_llama(args)
     new = 16 if args.quick else 64
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="paged|sdpa").eval()
