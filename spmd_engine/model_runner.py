@@ -38,7 +38,8 @@ class ModelRunner:
         self.num_blocks = 0
         self.block_tables: dict[str, list[int]] = {}
         self.prompt_lens: dict[str, int] = {}
-        self._pending: tuple[list[str], torch.Tensor | None, dict | None] | None = None
+        # (sampling request ids, (logits, output indices) on the last stage, prompt logprobs)
+        self._pending: tuple[list[str], tuple | None, dict | None] | None = None
         self.stats = {"steps": 0, "tokens": 0, "prefill_tokens": 0, "sampled": 0}
 
     # -- start-up ---------------------------------------------------------------
@@ -138,7 +139,13 @@ class ModelRunner:
             self._pending = (sampling, None, None)
             return None
         logits = self.model.compute_logits(hidden["hidden_states"][sample_index]) if sampling else None
-        self._pending = (sampling, logits, self._prompt_logprobs(out, attn, hidden["hidden_states"]))
+        # The output index each sampled token will take, and the penalties' token history, both
+        # from the schedule: a token dropped by the scheduler (preempted in flight) leaves no trace.
+        for s in out.seqs:
+            self.sampler.observe(s.request_id, s.context_len - self.prompt_lens[s.request_id], s.token_ids)
+        outputs_at = [s.context_len + len(s.token_ids) - self.prompt_lens[s.request_id]
+                      for s in out.seqs if s.sample]
+        self._pending = (sampling, (logits, outputs_at), self._prompt_logprobs(out, attn, hidden["hidden_states"]))
         return None
 
     def _prompt_logprobs(self, out: SchedulerOutput, attn, hidden: torch.Tensor) -> dict | None:
@@ -205,7 +212,7 @@ class ModelRunner:
         result = None
         if self.pp_group.is_last_rank:
             if request_ids:
-                tokens, logprobs = self.sampler.sample(request_ids, logits)
+                tokens, logprobs = self.sampler.sample(request_ids, *logits)
             else:
                 tokens, logprobs = [], None
             result = ModelRunnerOutput(request_ids, tokens, logprobs, prompt_logprobs)

@@ -28,7 +28,7 @@ class RequestState:
     stop_ids: list[int] = field(default_factory=list)  # masked while under min_tokens
     prompt_token_ids: list[int] | None = None  # kept for repetition_penalty / prompt_logprobs
     output_token_ids: list[int] = field(default_factory=list)  # kept for the penalties
-    num_sampled: int = 0  # the output position: part of the random draw's counter
+    num_sampled: int = 0  # draws so far (the output position when sample() is not told it)
     prompt_logprobs_done: int = 0  # prompt tokens whose logprobs went out (recompute skips them)
 
 
@@ -43,11 +43,28 @@ class Sampler:
     def remove_request(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
 
-    def sample(self, request_ids: list[str], logits: torch.Tensor):
-        """Return (token ids, per-row logprob maps or None) for logits [B, vocab]."""
+    def observe(self, request_id: str, output_start: int, token_ids: list[int]) -> None:
+        """Tokens scheduled as inputs, the first at output index `output_start` (negative while in
+        the prompt): the penalties' history of a request, as the scheduler knows it."""
+        state = self.requests.get(request_id)
+        if state is None or not state.params.penalized or output_start + len(token_ids) <= 0:
+            return
+        skip = max(0, -output_start)
+        del state.output_token_ids[output_start + skip:]
+        state.output_token_ids.extend(token_ids[skip:])
+
+    def sample(self, request_ids: list[str], logits: torch.Tensor, output_index: list[int] | None = None):
+        """Return (token ids, per-row logprob maps or None) for logits [B, vocab].
+
+        `output_index`: the output position each row samples (the engine passes it from the
+        schedule, and feeds the history through `observe`); without it, each call is the next
+        position and the sampled tokens are the history (standalone use)."""
         states = [self.requests[r] for r in request_ids]
+        standalone = output_index is None
+        if standalone:
+            output_index = [s.num_sampled for s in states]
         raw = logits.float()
-        x = self._processed(raw, states)
+        x = self._processed(raw, states, output_index)
         greedy = [i for i, s in enumerate(states) if s.params.greedy]
         if len(greedy) == len(states):
             tokens = x.argmax(dim=-1)
@@ -58,14 +75,14 @@ class Sampler:
             rows = [i for i, s in enumerate(states) if not s.params.greedy]
             chosen = [states[i] for i in rows]
             ps = [s.params for s in chosen]
-            u = sample_draw.uniforms([s.seed for s in chosen], [s.num_sampled for s in chosen])
+            u = sample_draw.uniforms([s.seed for s in chosen], [output_index[i] for i in rows])
             tokens[_index(rows, x.device)] = sample_draw.draw(
                 sample_draw.select_rows(x, rows), [p.temperature for p in ps], [max(p.top_k, 0) for p in ps],
                 [p.top_p for p in ps], [p.min_p for p in ps], u)
         token_list = tokens.tolist()
         for state, token in zip(states, token_list):
             state.num_sampled += 1
-            if state.params.penalized:
+            if standalone and state.params.penalized:
                 state.output_token_ids.append(token)
         logprobs = None
         wanted = [i for i, s in enumerate(states) if s.params.logprobs is not None]
@@ -77,10 +94,10 @@ class Sampler:
                 logprobs[i] = entry
         return token_list, logprobs
 
-    def _processed(self, raw: torch.Tensor, states: list[RequestState]) -> torch.Tensor:
+    def _processed(self, raw: torch.Tensor, states: list[RequestState], output_index: list[int]) -> torch.Tensor:
         """min_tokens masks, then penalties, on a copy when any row has them (vLLM's order)."""
         under_min = [i for i, s in enumerate(states)
-                     if s.stop_ids and s.num_sampled < s.params.min_tokens]
+                     if s.stop_ids and output_index[i] < s.params.min_tokens]
         penalized = [i for i, s in enumerate(states) if s.params.penalized]
         if not under_min and not penalized:
             return raw

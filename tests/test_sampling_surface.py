@@ -168,6 +168,24 @@ def test_everything_at_once_is_the_same_under_tp2_pp2(llm, ckpt):
             assert all(x[t].logprob == pytest.approx(y[t].logprob, abs=1e-4) for t in x)
 
 
+@pytest.mark.timeout(240)
+def test_preemption_with_steps_in_flight_changes_no_draw_and_no_penalty(llm, ckpt):
+    """mp PP=2 keeps two steps in flight; a tiny KV cache preempts requests meanwhile and their
+    in-flight tokens are dropped. The draw's position and the penalties' history come from the
+    schedule, so the outputs equal one process with room for everything."""
+    params = SamplingParams(max_tokens=20, temperature=1.0, seed=9, repetition_penalty=1.4,
+                            frequency_penalty=0.6, min_tokens=4, stop_token_ids=[1], ignore_eos=True)
+    prompts = [PROMPT[i:i + 3 + i % 4] for i in range(8)]  # each grows past one 16-token block
+    ref = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    # PP=2: 2 layers x 2 KV heads x 8 dims x fp32 x (K, V) = 256 bytes per token per rank.
+    with LLM(model=str(ckpt), max_model_len=32, seed=3, pipeline_parallel_size=2,
+             kv_cache_memory_bytes=3 * 16 * 256) as tight:
+        got = [o.outputs[0].token_ids for o in tight.generate(prompts, params)]
+        stats = tight.get_stats()[0]
+    assert stats["preemptions"] > 0 and stats["peak_in_flight"] == 2
+    assert got == ref
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kwargs,name", [
     (dict(min_p=2), "min_p"), (dict(min_p=-0.1), "min_p"), (dict(repetition_penalty=0), "repetition_penalty"),
