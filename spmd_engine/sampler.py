@@ -4,8 +4,9 @@ Every TP rank of the last stage holds identical full logits, and a request's
 random draw is a function of its seed and output position only (see
 sample_draw), so every rank that samples gets the same tokens, and a request's
 tokens do not depend on which other requests share its batch or which replica
-it landed in. Only the sampled ids (and the logprobs a request asked for) are
-copied to the host. Greedy rows are the argmax of the (processed) logits.
+it landed in. Only the sampled ids (and the logprobs a request asked for, and a
+per-row flag or two) are copied to the host. Greedy rows are the argmax of the
+(processed) logits, bit for bit what they were when sampling ran on the host.
 """
 
 from __future__ import annotations
