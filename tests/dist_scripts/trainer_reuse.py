@@ -9,7 +9,7 @@ from spmd_engine import LLM, SamplingParams
 
 if __name__ == "__main__":
     dist.init_process_group("gloo")  # the trainer's world: 4 ranks
-    with LLM(tensor_parallel_size=2) as llm:  # 2 external-DP replicas inside the trainer's world
+    with LLM(tensor_parallel_size=2, seed=0) as llm:  # 2 external-DP replicas inside the trainer's world
         replica = llm.replica_index
         prompt = ["Beautiful is", "Errors should"][replica]
         text = llm.generate([prompt], SamplingParams(max_tokens=12))[0].outputs[0].text
