@@ -11,11 +11,11 @@ from spmd_engine.config import ConfigError
 class SamplingParams:
     """vLLM's names and meanings. temperature 0 is greedy; top_k -1 means no limit.
 
-    `seed` fixes this request's random stream. Left as None, the engine derives
-    it from the engine seed and the prompt's index in the whole input, so a
-    prompt gets the same tokens whichever replica or batch it lands in. With
-    `n` > 1 sample k draws from its own stream (`seed + k`, or the derived
-    seed's k-th neighbour). `logprobs=0` returns the sampled token's logprob,
+    `seed` fixes this request's random stream, so it gets the same tokens
+    whichever replica or batch it lands in. Left as None, the request draws a
+    fresh seed from the engine's stream (started by LLM(seed=...)), different
+    on every generate call, as in vLLM. With `n` > 1 sample k draws from its
+    own stream (`seed + k`). `logprobs=0` returns the sampled token's logprob,
     K > 0 the top K as well: the model's own distribution (log_softmax of the
     raw logits, before temperature / top-k / top-p, as vLLM's default
     "raw_logprobs").

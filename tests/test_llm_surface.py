@@ -134,7 +134,8 @@ def two_calls(llm, params=TEMP1):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("layout", [dict(), dict(tensor_parallel_size=2)], ids=["uni", "mp-tp2"])
+@pytest.mark.parametrize("layout", [dict(), dict(tensor_parallel_size=2), dict(data_parallel_size=2)],
+                         ids=["uni", "mp-tp2", "mp-dp2"])
 def test_unseeded_requests_draw_fresh_randomness_every_call(ckpt, layout):
     with LLM(model=str(ckpt), max_model_len=64, seed=1, **layout) as llm:
         first, second = two_calls(llm)
@@ -142,7 +143,8 @@ def test_unseeded_requests_draw_fresh_randomness_every_call(ckpt, layout):
     assert first != second  # vLLM: no request seed, fresh randomness on every generate
     assert first[0] != first[2]  # the same prompt twice in one call: two draws
     assert seeded[0] == seeded[1] and seeded[0][0] == seeded[0][2]  # a request seed fixes it
-    # The engine seed starts the stream: a new engine with it draws the same as the first uni one.
+    # The engine seed starts the stream (drawn in the front end, whatever the layout or the
+    # replica a prompt lands on): a new uni engine with it draws the same.
     with LLM(model=str(ckpt), max_model_len=64, seed=1) as llm:
         assert two_calls(llm) == (first, second)
     with LLM(model=str(ckpt), max_model_len=64, seed=2) as llm:

@@ -65,6 +65,17 @@ def test_stop_strings_per_prompt_and_with_n(llm):
     assert [c.text for c in outs[2].outputs] == [" better than complex"] * 2
 
 
+@pytest.mark.timeout(180)
+def test_stop_strings_in_engine_core_processes():
+    """DP = 2: each replica's EngineCore runs in its own process and finds the strings there."""
+    prompts = [PROMPT, "Errors should", "Simple is", "Readability"]
+    with LLM(max_model_len=256, data_parallel_size=2) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=60, stop=["than", "silently"]))
+    got = [(o.outputs[0].text, o.outputs[0].stop_reason) for o in outs]
+    assert got == [(" better ", "than"), (" never pass ", "silently"), (" better ", "than"),
+                   (continuation("Readability")[:60], None)], got
+
+
 @pytest.mark.timeout(120)
 def test_detokenize_false_returns_token_ids_only(llm):
     with_text = one(llm, max_tokens=20)
