@@ -180,5 +180,6 @@ def test_llm_under_srun_is_external_launcher_with_fresh_randomness_agreed_by_ran
     (result,) = results[:1]
     assert result["backend"] == "external_launcher"
     assert "needs LLM(seed=...)" in result["without_seed"]
+    assert "ranks [0, 1] have engine seeds [5, 6]" in result["seed_mismatch"]
     assert result["first"] != result["second"]
     assert not launch.leftover_pids

@@ -45,13 +45,13 @@ class LLM:
                  kv_cache_memory_bytes: int | None = None, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  load_format: str = "auto", enable_sleep_mode: bool = False, **vllm_kwargs):
-        """vLLM's arguments and meanings. `seed` (default 0) is the engine seed: requests without
+        """vLLM's arguments and meanings. `seed` is the engine seed (None: 0): requests without
         their own seed draw from a stream it starts, fresh on every generate call; under
         external_launcher it must be given, the same on every rank of a replica (vLLM's rule).
         Other vLLM arguments are accepted and ignored, with one warning (see vllm_args)."""
         from spmd_engine.engine.input_processor import InputProcessor
-        accept_vllm_kwargs(vllm_kwargs)
         from spmd_engine.model.partition import check_model_parallel, parse_pp_partition
+        accept_vllm_kwargs(vllm_kwargs)
 
         parallel = ParallelConfig(
             tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
@@ -352,14 +352,14 @@ def tqdm_progress(use_tqdm, total: int, progress: ProgressCallback | None) -> Pr
     (it is optional: without it use_tqdm does nothing)."""
     if not use_tqdm:
         return progress
-    if callable(use_tqdm) and not isinstance(use_tqdm, bool):
+    if callable(use_tqdm):
         bar_class = use_tqdm
     else:
         try:
             from tqdm import tqdm as bar_class
         except ImportError:
             return progress
-    bar = bar_class(total=total, desc="Processed prompts", dynamic_ncols=True)
+    bar = bar_class(total=total, desc="Processed requests", dynamic_ncols=True)  # n > 1: each sample
 
     def advance(requests: int, tokens: int) -> None:
         bar.update(requests)

@@ -1,8 +1,10 @@
 """LLM built under srun alone (SLURM_* variables, no torchrun's): it must resolve to
-external_launcher, refuse a missing engine seed, and sample alike on both TP ranks.
+external_launcher, refuse a missing engine seed, sample alike on both TP ranks, and name
+ranks whose engine seeds differ.
 Prints one JSON line per rank; argv[1] is the checkpoint."""
 
 import json
+import os
 import sys
 
 from spmd_engine import LLM, SamplingParams
@@ -20,5 +22,11 @@ if __name__ == "__main__":
         backend = llm.config.parallel_config.distributed_executor_backend
         first, second = ([o.outputs[0].token_ids for o in llm.generate([[5, 6, 7], [8, 9]], params)]
                          for _ in range(2))
-    print(json.dumps({"backend": backend, "without_seed": without_seed, "first": first, "second": second}),
-          flush=True)
+        llm.seed = 5 + int(os.environ["SLURM_PROCID"])  # as if each rank had passed its own seed
+        try:
+            llm.generate([[5, 6, 7]], params)
+            seed_mismatch = "accepted"
+        except ConfigError as exc:
+            seed_mismatch = str(exc)
+    print(json.dumps({"backend": backend, "without_seed": without_seed, "seed_mismatch": seed_mismatch,
+                      "first": first, "second": second}), flush=True)
