@@ -26,8 +26,8 @@ def launched_by_torchrun(environ: Mapping[str, str]) -> bool:
 
 
 def launched_by_srun(environ: Mapping[str, str]) -> bool:
-    """True in a task srun started: SLURM_STEP_ID is exported only to srun's tasks, so a
-    command typed in an sbatch or salloc shell (which sees the allocation's task count) is not."""
+    """True in an srun task: SLURM_PROCID and the task count with SLURM_STEP_ID, which only srun
+    exports (a command typed in an sbatch or salloc shell sees the allocation's variables too)."""
     return ("SLURM_PROCID" in environ and "SLURM_STEP_ID" in environ
             and ("SLURM_NTASKS" in environ or "SLURM_NPROCS" in environ))
 
@@ -43,8 +43,9 @@ def resolve_backend(
     An explicit value wins (a string from BACKENDS, or an Executor subclass: the
     subclass check itself lives in Executor.get_class, which config may not
     import). Under a torchrun or srun launch the default is external_launcher, since
-    the launcher already made every process. Otherwise "mp" as soon as more than one
-    rank is in play across DP, and "uni" only when TP = PP = PCP = DP = 1.
+    the launcher already made every process (the CLI resolves it alike). Otherwise
+    "mp" as soon as more than one rank is in play across DP, and "uni" only when
+    TP = PP = PCP = DP = 1.
     """
     if requested is not None:
         if isinstance(requested, type):
@@ -197,7 +198,7 @@ class SchedulerConfig:
     """
 
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
-    max_model_len: int | None = None  # None: the model's max_position_embeddings (vLLM's default)
+    max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 4096
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
 

@@ -66,10 +66,13 @@ def test_stop_strings_per_prompt_and_with_n(llm):
 
 
 @pytest.mark.timeout(180)
-def test_stop_strings_in_engine_core_processes():
-    """DP = 2: each replica's EngineCore runs in its own process and finds the strings there."""
+@pytest.mark.parametrize("layout", [dict(data_parallel_size=2), dict(pipeline_parallel_size=2)],
+                         ids=["dp2", "mp-pp2"])
+def test_stop_strings_in_other_engine_layouts(layout):
+    """DP = 2: each replica's EngineCore runs in its own process and finds the strings there;
+    mp PP = 2: two steps in flight (the batch queue), each request in one of them."""
     prompts = [PROMPT, "Errors should", "Simple is", "Readability"]
-    with LLM(max_model_len=256, data_parallel_size=2) as llm:
+    with LLM(max_model_len=256, **layout) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=60, stop=["than", "silently"]))
     got = [(o.outputs[0].text, o.outputs[0].stop_reason) for o in outs]
     assert got == [(" better ", "than"), (" never pass ", "silently"), (" better ", "than"),
