@@ -278,3 +278,27 @@ def test_expert_parallel_on_a_dense_model_warns_once_and_changes_nothing(caplog)
     assert len(warnings) == 1
     with LLM() as llm:
         assert llm.generate(["Hello"], SamplingParams(max_tokens=8))[0].outputs[0].token_ids == with_ep
+
+
+# ---- plan ---------------------------------------------------------------------------------------------
+
+@pytest.mark.timeout(60)
+def test_plan_shows_moe_traffic_and_experts_per_ep_rank(checkpoints, tmp_path):
+    def plan(*args):
+        return subprocess.run([sys.executable, "-m", "spmd_engine.plan", *args], capture_output=True, text=True,
+                              timeout=50, cwd=REPO)
+
+    model = str(checkpoints["qwen3moe-normtopk-step2-headdim32"])
+    out = plan("-tp", "2", "-dp", "2", "--enable-expert-parallel", "--distributed-executor-backend",
+               "external_launcher", "--model", model, "--json")
+    assert out.returncode == 0, out.stderr
+    moe = json.loads(out.stdout)["moe"]
+    assert moe["experts_per_rank"] == {"0": [0, 1], "1": [2, 3], "2": [4, 5], "3": [6, 7]}
+    assert [t["group"] for t in moe["traffic_per_sparse_layer"]] == ["dp", "ep"]
+    text = plan("-tp", "2", "--model", model).stdout
+    assert "tp  all_reduce of expert outputs" in text and "expert width per TP rank: 16" in text
+    bad = plan("-tp", "2", "-dp", "2", "--enable-expert-parallel", "--model", str(checkpoints["mixtral-4x-top2"]),
+               "--distributed-executor-backend", "external_launcher", "--world-size", "4", "-pp", "1")
+    assert bad.returncode == 0  # 4 experts over EP 4: fine
+    three = plan("-tp", "2", "-dp", "3", "--enable-expert-parallel", "--model", str(checkpoints["mixtral-4x-top2"]))
+    assert three.returncode == 2 and "num_experts 4" in three.stderr and "expert parallel size 6" in three.stderr
