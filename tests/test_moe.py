@@ -97,13 +97,14 @@ def test_expert_parallel_keeps_greedy_output_and_matches_transformers(checkpoint
 
 
 @pytest.mark.timeout(300)
-def test_torchrun_tp2_expert_parallel_matches_transformers(checkpoints, tmp_path):
+@pytest.mark.parametrize("mode", ["ep", "tp"])
+def test_torchrun_tp2_matches_transformers(checkpoints, tmp_path, mode):
     from launch import run_torchrun
     name = "mixtral-4x-top2"
     prompts = prompts_for(CONFIGS[name]["vocab_size"])
     (tmp_path / "prompts.json").write_text(json.dumps(prompts))
     launch = run_torchrun(2, [REPO / "tests" / "dist_scripts" / "moe_generate.py", checkpoints[name],
-                              tmp_path / "prompts.json", tmp_path / "out.json"], timeout=240)
+                              tmp_path / "prompts.json", tmp_path / "out.json", mode], timeout=240)
     assert launch.returncode == 0, launch.describe()
     assert not launch.leftover_pids
     rows = json.loads((tmp_path / "out.json").read_text())
