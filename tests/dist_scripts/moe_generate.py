@@ -16,7 +16,7 @@ if __name__ == "__main__":
     prompts = json.load(open(prompts_file))  # lists of token ids
     params = SamplingParams(max_tokens=12, logprobs=3, ignore_eos=True)
     with LLM(model=model, tensor_parallel_size=2, enable_expert_parallel=mode == "ep",
-             distributed_executor_backend="external_launcher") as llm:
+             distributed_executor_backend="external_launcher", seed=0) as llm:
         outs = llm.generate(prompts, params)
         rank = dist.get_rank()
     if rank == 0:
