@@ -32,6 +32,8 @@ Figures
              number of groups (worlds 2, 4, 8)
   load       peak RSS per rank at TP 1, 2, 4 vs checkpoint size; load throughput vs
              reading the file
+  moe        MoE decode B=8 bf16 (uni) tokens/s vs transformers generate on the same random
+             Qwen3-MoE-shaped checkpoint (16 experts top-4, hidden 512, 8 layers)
   sampling   Sampler.sample for B=256 rows x V=152,064 (fp32 logits on the device, cuda when
              present): per-row temperature 0.8 / top-k 50 / top-p 0.9 with per-request seeds
              vs all-greedy rows (argmax) in the same run (ratio = value / baseline, target <= 2);
@@ -61,9 +63,13 @@ import bench_rpc_transport  # noqa: E402
 from make_random_checkpoint import make_random_checkpoint  # noqa: E402
 
 FIGURES = ("rpc", "allreduce", "decode", "capacity", "prefix", "chunked", "tp", "tp4", "pp", "mixed", "startup", "load",
-           "sampling")
+           "moe", "sampling")
 LLAMA_SHAPE = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2, intermediate_size=1536,
                    vocab_size=32000, max_position_embeddings=8192)
+QWEN3_MOE_SHAPE = dict(architecture="Qwen3MoeForCausalLM", hidden_size=512, num_layers=8, num_heads=8,
+                       num_kv_heads=2, head_dim=64, intermediate_size=1536, vocab_size=32000,
+                       max_position_embeddings=8192, num_experts=16, num_experts_per_tok=4,
+                       moe_intermediate_size=256, norm_topk_prob=True)
 
 
 def emit(name, value, baseline, ratio, unit, **params) -> None:
@@ -148,8 +154,8 @@ def hf_generator(model_dir: str, dtype):
     """(tokens/s function, kind): transformers' generate if importable, else a plain torch loop."""
     import torch
     try:
-        from transformers import LlamaForCausalLM
-        model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=dtype).eval()
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
 
         def run(prompts, new_tokens):
             ids = torch.tensor(prompts)
@@ -240,6 +246,30 @@ def fig_decode(args) -> None:
         emit(f"decode_roofline_fraction_{dtype_name}", achieved / 1e9, bw / 1e9, achieved / bw, "GB/s",
              ratio_is="weight bytes read per step x steps/s over measured read bandwidth (1.0 = roofline)",
              weight_bytes_per_step=step_bytes, bandwidth_probe="torch.sum over 512 MiB fp32, all threads")
+
+
+def fig_moe(args) -> None:
+    """Qwen3-MoE decode, bf16, B=8: LLM (uni) vs transformers generate, interleaved reps."""
+    import torch
+    from spmd_engine import LLM
+    path = Path(args.workdir) / "qwen3moe_h512_l8_e16_k4"
+    if not (path / "config.json").exists():
+        make_random_checkpoint(path, **QWEN3_MOE_SHAPE)
+    batch, plen, new = 8, 32, (16 if args.quick else 64)
+    prompts = prompts_for(batch, plen, QWEN3_MOE_SHAPE["vocab_size"])
+    llm = LLM(model=str(path), dtype="bfloat16", max_model_len=plen + new + 8, max_num_seqs=batch,
+              distributed_executor_backend="uni")
+    ref, kind = hf_generator(str(path), torch.bfloat16)
+    time_engine(llm, prompts, 4), ref(prompts, 4)  # warm-up
+    ours, theirs = [], []
+    for _ in range(args.reps):
+        ours.append(time_engine(llm, prompts, new))
+        theirs.append(ref(prompts, new))
+    llm.shutdown()
+    v, b = statistics.median(ours), statistics.median(theirs)
+    emit("moe_decode_tokens_per_s_bfloat16", v, b, v / b, "tokens/s", batch=batch, prompt=plen, new_tokens=new,
+         experts=16, top_k=4, hidden=512, layers=8, threads=torch.get_num_threads(), reps=args.reps,
+         baseline_is=kind, loadavg_1m=loadavg(), ratio_is="value/baseline, higher is better; target >= 1.5")
 
 
 # ---------------------------------------------------------------- memory model
@@ -685,7 +715,7 @@ def main() -> None:
     table = {"rpc": fig_rpc, "allreduce": fig_allreduce, "decode": fig_decode, "capacity": fig_capacity,
              "prefix": fig_prefix, "chunked": fig_chunked, "tp": fig_tp,
              "tp4": lambda a: fig_tp(a, 4), "pp": fig_pp, "mixed": fig_mixed, "startup": fig_startup, "load": fig_load,
-             "sampling": fig_sampling}
+             "moe": fig_moe, "sampling": fig_sampling}
     for name in FIGURES:
         if name in chosen:
             table[name](args)

@@ -60,7 +60,8 @@ def check_fits(num_blocks: int, block_size: int, max_model_len: int, bytes_per_t
             f"KV cache budget {budget_bytes} bytes per rank holds {num_blocks} blocks of {block_size} tokens "
             f"= {num_blocks * block_size} tokens, fewer than max_model_len {max_model_len} "
             f"({bytes_per_token} bytes per token; one sequence needs {need} bytes): raise "
-            f"--kv-cache-memory-bytes or --gpu-memory-utilization, or lower --max-model-len"
+            f"--kv-cache-memory-bytes or --gpu-memory-utilization, or lower --max-model-len "
+            f"(default: the model's max_position_embeddings)"
         )
 
 

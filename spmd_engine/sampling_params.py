@@ -11,11 +11,11 @@ from spmd_engine.config import ConfigError
 class SamplingParams:
     """vLLM's names and meanings. temperature 0 is greedy; top_k -1 or 0 means no limit.
 
-    `seed` fixes this request's random stream. Left as None, the engine derives
-    it from the engine seed and the prompt's index in the whole input, so a
-    prompt gets the same tokens whichever replica or batch it lands in. With
-    `n` > 1 sample k draws from its own stream (`seed + k`, or the derived
-    seed's k-th neighbour). `logprobs=0` returns the sampled token's logprob,
+    `seed` fixes this request's random stream, so it gets the same tokens
+    whichever replica or batch it lands in. Left as None, the request draws a
+    fresh seed from the engine's stream (started by LLM(seed=...)), different
+    on every generate call, as in vLLM. With `n` > 1 sample k draws from its
+    own stream (`seed + k`). `logprobs=0` returns the sampled token's logprob,
     K > 0 the top K as well: the model's own distribution (log_softmax of the
     raw logits, before temperature / top-k / top-p, as vLLM's default
     "raw_logprobs"). `prompt_logprobs=K` does the same for every prompt token
@@ -28,6 +28,13 @@ class SamplingParams:
     temperature, `min_p` (drop tokens below min_p x the top probability),
     `top_k`, `top_p`. A sampled id in `stop_token_ids` ends the request with
     finish_reason "stop" and stop_reason that id, and stays in the output.
+
+    `stop` strings end a request (finish_reason "stop", stop_reason the string)
+    as soon as its text contains one, wherever the token boundaries fall; the
+    text ends before the string unless `include_stop_str_in_output`. The
+    tokens that produced it stay in token_ids, as in vLLM. `detokenize=False`
+    leaves `text` empty (token ids only, no decoding cost), and
+    `skip_special_tokens` drops special tokens from the text.
     """
 
     max_tokens: int = 16
@@ -45,6 +52,10 @@ class SamplingParams:
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
+    stop: str | list[str] | None = None  # normalised to a list of strings
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -77,15 +88,24 @@ class SamplingParams:
             raise ConfigError(f"n must be an integer >= 1 (samples per prompt), got n={self.n!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ConfigError(f"seed must be an integer, got {self.seed!r}")
+        self._check_stop()
+
+    def _check_stop(self) -> None:
+        stop = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            raise ConfigError(f"stop must be a string or a list of strings, got stop={self.stop!r}")
+        if any(s == "" for s in stop):
+            raise ConfigError(f"stop must not contain an empty string (it would match at once), got stop={self.stop!r}")
+        self.stop = list(stop)
+        for name in ("include_stop_str_in_output", "skip_special_tokens", "detokenize"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {name}={getattr(self, name)!r}")
+        if self.stop and not self.detokenize:
+            raise ConfigError("stop strings need detokenize=True (they are found in the text)")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
-
-    @property
-    def top_k_limit(self) -> int | None:
-        """The top-k limit, or None when off (-1 and 0 both mean no limit, as vLLM)."""
-        return self.top_k if self.top_k > 0 else None
 
     @property
     def penalized(self) -> bool:

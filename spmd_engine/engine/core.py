@@ -11,6 +11,7 @@ from spmd_engine.config import EngineConfig
 from spmd_engine.engine.kv_cache_manager import KVCacheManager
 from spmd_engine.engine.request import Request
 from spmd_engine.engine.scheduler import Scheduler
+from spmd_engine.engine.stop_strings import StopStringWatcher
 from spmd_engine.executor.abstract import Executor
 
 logger = logging.getLogger("spmd_engine")
@@ -25,7 +26,7 @@ class EngineDeadError(RuntimeError):
 
 class EngineCore:
     def __init__(self, config: EngineConfig, executor_class: type[Executor], max_model_len: int,
-                 eos_token_id: int | None):
+                 eos_token_id: int | list[int] | None):
         self.config = config
         cache = config.cache_config
         config.scheduler_config.resolve(max_model_len, cache.block_size)
@@ -40,6 +41,7 @@ class EngineCore:
         logger.info("engine ready: %s", kv_sizing.describe(num_blocks, cache.block_size, per_token))
         kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config, kv, eos_token_id)
+        self.stop_strings = StopStringWatcher(config.model_config.model_dir)
         self._batch_queue: deque = deque()  # (SchedulerOutput, its result) of steps in flight
         self._peak_in_flight = 0
 
@@ -66,7 +68,37 @@ class EngineCore:
                 model_output = self.executor.sample_tokens(None)
         except Exception as exc:
             raise EngineDeadError(f"engine failed while running step {scheduler_output.step}: {exc}") from exc
-        return self.scheduler.update_from_output(scheduler_output, model_output)
+        return self._update(scheduler_output, model_output)
+
+    def _update(self, scheduler_output, model_output) -> list[Request]:
+        """The scheduler appends the tokens and finishes requests on EOS or length; then the
+        stop strings, which need the text."""
+        running = {r.request_id: r for r in self.scheduler.running}
+        finished = self.scheduler.update_from_output(scheduler_output, model_output)
+        return finished + self._check_stop_strings(model_output.request_ids, running, finished)
+
+    def _check_stop_strings(self, sampled: list[str], running: dict[str, Request],
+                            finished: list[Request]) -> list[Request]:
+        """Requests whose text now holds a stop string finish with it. A request the scheduler
+        finished for its length this step is checked too (the string then wins, as in vLLM);
+        one that ended on an EOS or stop token is not (that token is not part of the text)."""
+        stopped = []
+        done = {r.request_id for r in finished}
+        for rid in sampled:
+            request = running.get(rid)  # None: preempted while its step was in flight (PP)
+            if request is None or not self.stop_strings.watches(request):
+                continue
+            ended = rid in done
+            stop = None if ended and request.finish_reason != "length" else self.stop_strings.update(request)
+            if ended or stop is not None:
+                self.stop_strings.forget(rid)
+            if stop is None:
+                continue
+            request.finish_reason, request.stop_reason = "stop", stop
+            if not ended:
+                self.scheduler.finish_request(request)
+                stopped.append(request)
+        return stopped
 
     def _step_with_batch_queue(self) -> list[Request]:
         """vLLM's batch queue: send steps until `max_concurrent_batches` are in flight or
@@ -90,7 +122,7 @@ class EngineCore:
         except Exception as exc:
             queue.clear()
             raise EngineDeadError(f"engine failed while running step {out.step}: {exc}") from exc
-        return self.scheduler.update_from_output(out, model_output)
+        return self._update(out, model_output)
 
     def run_until_done(self, progress: ProgressCallback | None = None) -> list[Request]:
         """Step until every request has finished; `progress` hears of each step's finished ones

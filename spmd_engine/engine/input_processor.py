@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from spmd_engine.config import ConfigError
 
-MAX_MODEL_LEN_CAP = 4096
 
 
 class InputProcessor:
     def __init__(self, model_dir: str, max_model_len: int | None = None):
+        """max_model_len defaults to the model's max_position_embeddings, as in vLLM; only the KV
+        budget limits it (an error naming the numbers when one such sequence cannot fit)."""
         from spmd_engine.model.loader import read_hf_config
         from spmd_engine.model.tokenizer import load_tokenizer
         self.hf_config = read_hf_config(model_dir)
@@ -20,17 +21,23 @@ class InputProcessor:
             self.tokenizer, self._tokenizer_error = load_tokenizer(model_dir), None
         except ConfigError as exc:  # token-id prompts still work without one
             self.tokenizer, self._tokenizer_error = None, exc
-        positions = int(self.hf_config.get("max_position_embeddings", MAX_MODEL_LEN_CAP))
+        positions = int(self.hf_config.get("max_position_embeddings", DEFAULT_POSITIONS))
         if max_model_len is not None and max_model_len > positions:
             raise ConfigError(f"max_model_len ({max_model_len}) exceeds the model's "
                               f"max_position_embeddings ({positions})")
-        self.max_model_len = max_model_len or min(positions, MAX_MODEL_LEN_CAP)
+        self.max_model_len = max_model_len or positions
         self.vocab_size = int(self.hf_config["vocab_size"])
-        eos = getattr(self.tokenizer, "eos_token_id", None)
-        self.eos_token_id = eos if eos is not None else _first_int(self.hf_config.get("eos_token_id"))
+        self.eos_token_ids = eos_token_ids(model_dir, self.hf_config, self.tokenizer)
+        self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
 
     def encode(self, prompt, index: int) -> tuple[str | None, list[int]]:
-        """(text or None, token ids) for a string or a list of token ids; raises ConfigError."""
+        """(text or None, token ids) for a string, a list of token ids, or vLLM's prompt dicts
+        {"prompt": text} / {"prompt_token_ids": ids}; raises ConfigError."""
+        if isinstance(prompt, dict):
+            prompt = _from_prompt_dict(prompt, index)
+            if isinstance(prompt, tuple):  # token ids, with the text they came from if given
+                text, ids = prompt
+                return text, self.encode(ids, index)[1]
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ConfigError(f"text prompts need a tokenizer: {self._tokenizer_error}; "
@@ -49,11 +56,52 @@ class InputProcessor:
                               f"(a prompt must leave room for at least one new token)")
         return text, ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
-def _first_int(value) -> int | None:
-    if isinstance(value, list):
-        value = value[0] if value else None
-    return value if isinstance(value, int) else None
+DEFAULT_POSITIONS = 2048  # a config.json without max_position_embeddings (as model.spec reads it)
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def _from_prompt_dict(prompt: dict, index: int):
+    """vLLM's TextPrompt / TokensPrompt: the text, or (text or None, token ids)."""
+    odd = sorted(set(prompt) - set(PROMPT_KEYS))
+    if odd:
+        raise ConfigError(f"prompt {index}: unsupported key(s) {odd} (expected 'prompt' or 'prompt_token_ids')")
+    if "prompt_token_ids" in prompt:
+        ids = prompt["prompt_token_ids"]
+        if isinstance(ids, str) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ConfigError(f"prompt {index}: prompt_token_ids must be a list of token ids")
+        return prompt.get("prompt"), list(ids)
+    if not isinstance(prompt.get("prompt"), str):
+        raise ConfigError(f"prompt {index}: a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
+    return prompt["prompt"]
+
+
+def _ids(value) -> list[int]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value]
+    return [v for v in value if isinstance(v, int)] if isinstance(value, list) else []
+
+
+def eos_token_ids(model_dir: str, hf_config: dict, tokenizer) -> list[int]:
+    """Every id that ends a request: the tokenizer's (or config.json's first) EOS, then the rest
+    of config.json's and generation_config.json's `eos_token_id` (an int or a list: vLLM stops
+    on all of them, e.g. Llama-3-Instruct's <|eot_id|> beside <|end_of_text|>)."""
+    import json
+    import os
+    path = os.path.join(model_dir, "generation_config.json")
+    generation = {}
+    if os.path.isfile(path):
+        try:
+            with open(path) as f:
+                generation = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"{path}: cannot read: {exc}") from None
+    primary = getattr(tokenizer, "eos_token_id", None)
+    ids = ([primary] if primary is not None else []) + _ids(hf_config.get("eos_token_id"))
+    ids += _ids(generation.get("eos_token_id") if isinstance(generation, dict) else None)
+    return list(dict.fromkeys(ids))

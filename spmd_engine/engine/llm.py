@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
+import random
 from typing import Any, Callable, Sequence
 
 from spmd_engine import kv_sizing, topology
@@ -21,6 +22,7 @@ from spmd_engine.config import (
 from spmd_engine.engine.core import EngineDeadError, ProgressCallback
 from spmd_engine.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from spmd_engine.engine.request import Request
+from spmd_engine.engine.vllm_args import accept_vllm_kwargs
 from spmd_engine.sampling_params import SamplingParams
 
 SEED_MASK = (1 << 63) - 1
@@ -35,16 +37,21 @@ class LLM:
     def __init__(self, model: str | None = None, tensor_parallel_size: int = 1,
                  pipeline_parallel_size: int = 1, data_parallel_size: int = 1,
                  prefill_context_parallel_size: int = 1, decode_context_parallel_size: int = 1,
-                 distributed_executor_backend: str | type | None = None, seed: int = 0,
+                 distributed_executor_backend: str | type | None = None, seed: int | None = None,
                  dtype: str | None = None, max_model_len: int | None = None,
                  max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, enable_expert_parallel: bool = False,
                  pp_partition: str | None = None, device: str | None = None, timeout_s: float | None = None,
                  nnodes: int = 1, block_size: int = 16, gpu_memory_utilization: float = 0.9,
                  kv_cache_memory_bytes: int | None = None, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
-                 load_format: str = "auto", enable_sleep_mode: bool = False):
+                 load_format: str = "auto", enable_sleep_mode: bool = False, **vllm_kwargs):
+        """vLLM's arguments and meanings. `seed` is the engine seed (None: 0): requests without
+        their own seed draw from a stream it starts, fresh on every generate call; under
+        external_launcher it must be given, the same on every rank of a replica (vLLM's rule).
+        Other vLLM arguments are accepted and ignored, with one warning (see vllm_args)."""
         from spmd_engine.engine.input_processor import InputProcessor
-        from spmd_engine.model.partition import check_model_parallel, parse_pp_partition
+        from spmd_engine.model.partition import check_model_parallel, expert_parallel_size, parse_pp_partition
+        accept_vllm_kwargs(vllm_kwargs)
 
         parallel = ParallelConfig(
             tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
@@ -54,6 +61,7 @@ class LLM:
             enable_expert_parallel=enable_expert_parallel,
             distributed_executor_backend=distributed_executor_backend,
         )
+        seed = engine_seed(seed, parallel.distributed_executor_backend)
         if parallel.prefill_context_parallel_size > 1 or parallel.decode_context_parallel_size > 1:
             raise ConfigError("context parallelism (PCP/DCP > 1) is planned but not implemented in the "
                               "model yet; use spmd_engine.plan to inspect such layouts")
@@ -64,6 +72,10 @@ class LLM:
         source = os.path.join(model_config.model_dir, "config.json")
         spec = check_model_parallel(self.hf_config, parallel.tensor_parallel_size,
                                     parallel.pipeline_parallel_size, source=source)
+        ep_size = expert_parallel_size(parallel, spec)
+        if ep_size is not None:
+            check_model_parallel(self.hf_config, parallel.tensor_parallel_size,
+                                 parallel.pipeline_parallel_size, source=source, ep_size=ep_size)
         partition = pp_partition or os.environ.get("SPMD_ENGINE_PP_PARTITION")
         if partition:
             parse_pp_partition(partition, spec.num_layers, parallel.pipeline_parallel_size)
@@ -85,6 +97,9 @@ class LLM:
         self._asleep: set[str] = set()  # the tags (weights, kv_cache) sleep gave back, until wake_up
         self._weights_discarded = False  # sleep(2) ran: generate checks the workers loaded weights since
         self.seed = seed
+        # Requests without a seed draw theirs from here, in input order, call after call: fresh
+        # randomness on every generate, yet the same on every rank given the same engine seed.
+        self._seed_stream = random.Random(seed)
         self._next_request = 0
         self._engine = self._make_engine()
 
@@ -93,7 +108,7 @@ class LLM:
         from spmd_engine.executor.abstract import Executor
         pc = self.config.parallel_config
         executor_class = Executor.get_class(self.config)
-        eos = self.inputs.eos_token_id
+        eos = self.inputs.eos_token_ids
         if pc.distributed_executor_backend == "external_launcher" or pc.data_parallel_size == 1:
             from spmd_engine.engine.core import EngineCore
             return EngineCore(self.config, executor_class, self.max_model_len, eos)
@@ -101,13 +116,17 @@ class LLM:
         return DPEngineClient(self.config, executor_class, self.max_model_len, eos)
 
     # -- generation ---------------------------------------------------------------
-    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+    def generate(self, prompts: str | dict | Sequence[str | dict | Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool | Callable = False,
                  progress: ProgressCallback | None = None,
                  on_output: Callable[[int, RequestOutput], None] | None = None) -> list[RequestOutput]:
-        """Results complete and in input order. `progress(requests, tokens)` is called as
-        requests finish (from every replica this process drives), for a progress display;
-        `on_output(position, output)` too, with each finished request (to stream results)."""
+        """Results complete and in input order. Prompts as vLLM takes them: a string, a list of
+        token ids, {"prompt": text}, {"prompt_token_ids": ids}, or a list mixing these.
+        `use_tqdm` (off by default here) shows a tqdm bar when tqdm is installed (a callable is
+        used as the tqdm class). `progress(requests, tokens)` is called as requests finish (from
+        every replica this process drives), for a progress display; `on_output(position,
+        output)` too, with each finished request (to stream results)."""
         if self._asleep:
             raise RuntimeError(f"the engine is asleep ({', '.join(sorted(self._asleep))} given back by "
                                f"llm.sleep()): call llm.wake_up() before generate")
@@ -116,10 +135,16 @@ class LLM:
                 raise RuntimeError("sleep(level=2) discarded the weights: load_weights(...) or "
                                    "collective_rpc('reload_weights') before generate")
             self._weights_discarded = False
-        groups = self._make_requests(prompts, sampling_params)
-        requests = [r for group in groups for r in group]
-        if self.config.parallel_config.distributed_executor_backend == "external_launcher":
-            self._check_same_inputs_across_replica(requests)
+        stream = self._seed_stream.getstate()
+        try:  # a refused call draws nothing, so every rank's stream stays where the others' are
+            groups = self._make_requests(prompts, sampling_params)
+            requests = [r for group in groups for r in group]
+            if self.config.parallel_config.distributed_executor_backend == "external_launcher":
+                self._check_same_inputs_across_replica(requests)
+        except BaseException:
+            self._seed_stream.setstate(stream)
+            raise
+        progress = tqdm_progress(use_tqdm, len(requests), progress)
         if on_output is not None:
             progress = _OutputRelay(groups, self.inputs, on_output, progress)
         try:
@@ -142,7 +167,7 @@ class LLM:
     def _make_requests(self, prompts, sampling_params) -> list[list[Request]]:
         """Per prompt, its `n` engine requests (sample k: id "k_<id>" when n > 1, its own seed).
         They share the prompt, so prefix caching computes its full blocks once."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         if not prompts:
@@ -155,7 +180,10 @@ class LLM:
         groups = []
         for index, (prompt, params) in enumerate(zip(prompts, params_list)):
             text, ids = self.inputs.encode(prompt, index)
-            seed = params.seed if params.seed is not None else request_seed(self.seed, index)
+            if params.stop and self.tokenizer is None:
+                raise ConfigError(f"prompt {index}: stop strings need a tokenizer, and this model has none "
+                                  f"({self.inputs._tokenizer_error})")
+            seed = params.seed if params.seed is not None else self._seed_stream.getrandbits(63)
             base = str(self._next_request)
             self._next_request += 1
             if params.n == 1:
@@ -175,7 +203,12 @@ class LLM:
         from spmd_engine.distributed import get_pp_group, get_tp_group
         digest = hashlib.sha256(pickle.dumps([(r.prompt_token_ids, r.params, r.seed) for r in requests]))
         for group in (get_tp_group(), get_pp_group()):
-            digests = group.all_gather_object(digest.hexdigest())
+            seeds_and_digests = group.all_gather_object((self.seed, digest.hexdigest()))
+            seeds = [s for s, _ in seeds_and_digests]
+            if len(set(seeds)) > 1:
+                raise ConfigError(f"ranks {group.ranks} have engine seeds {seeds}: every rank of a replica "
+                                  f"must pass the same LLM(seed=...), or their samples differ")
+            digests = [d for _, d in seeds_and_digests]
             odd = [group.ranks[i] for i, d in enumerate(digests) if d != digests[0]]
             if odd:
                 raise ConfigError(f"ranks {odd} passed different prompts or sampling params than rank "
@@ -304,6 +337,43 @@ class LLM:
             pass
 
 
+def engine_seed(seed: int | None, backend) -> int:
+    """LLM(seed=...): None means 0 (vLLM's default), except under external_launcher, where each
+    rank samples for itself and only a seed given alike to every rank keeps them in step (vLLM
+    refuses a missing seed there too)."""
+    if seed is None:
+        if backend == "external_launcher":
+            raise ConfigError("distributed_executor_backend 'external_launcher' needs LLM(seed=...), the same "
+                              "on every rank of a replica, so that all its ranks sample the same tokens")
+        return 0
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ConfigError(f"seed must be an integer, got seed={seed!r}")
+    return seed
+
+
+def tqdm_progress(use_tqdm, total: int, progress: ProgressCallback | None) -> ProgressCallback | None:
+    """A progress callback that also advances a tqdm bar, when asked for and tqdm is installed
+    (it is optional: without it use_tqdm does nothing)."""
+    if not use_tqdm:
+        return progress
+    if callable(use_tqdm):
+        bar_class = use_tqdm
+    else:
+        try:
+            from tqdm import tqdm as bar_class
+        except ImportError:
+            return progress
+    bar = bar_class(total=total, desc="Processed requests", dynamic_ncols=True)  # n > 1: each sample
+
+    def advance(requests: int, tokens: int) -> None:
+        bar.update(requests)
+        if bar.n >= total:
+            bar.close()
+        if progress is not None:
+            progress(requests, tokens)
+    return advance
+
+
 def check_kv_budget_up_front(config: EngineConfig, hf_config, spec) -> None:
     """An explicit (or CPU default) KV budget too small for one sequence is a usage error,
     found before any process starts; workers check again with their device's numbers."""
@@ -358,21 +428,36 @@ def _to_output(samples: list[Request], inputs) -> RequestOutput:
     request_id = first.request_id.split("_", 1)[1] if "_" in first.request_id else first.request_id
     prompt_logprobs = None
     if first.params.prompt_logprobs is not None:
-        prompt_logprobs = [None] + [_logprob_dict(step, inputs) for step in first.prompt_logprobs or []]
+        prompt_logprobs = [None] + [_logprob_dict(step, inputs, first.params.detokenize)
+                                    for step in first.prompt_logprobs or []]
     return RequestOutput(request_id, first.prompt, list(first.prompt_token_ids), completions,
                          prompt_logprobs=prompt_logprobs)
 
 
-def _logprob_dict(step: dict[int, tuple[float, int]], inputs) -> dict[int, Logprob]:
-    decode = inputs.decode if inputs.tokenizer is not None else (lambda ids: None)
+def _logprob_dict(step: dict[int, tuple[float, int]], inputs, detokenize: bool = True) -> dict[int, Logprob]:
+    decode = inputs.decode if inputs.tokenizer is not None and detokenize else (lambda ids: None)
     return {token: Logprob(value, rank, decode([token])) for token, (value, rank) in step.items()}
 
 
+def _completion_text(request: Request, inputs) -> str:
+    """The output's text: empty without detokenize; cut at the stop string when one ended it;
+    else the tokens decoded, less the EOS or stop token that ended the request (as vLLM)."""
+    params = request.params
+    if not params.detokenize:
+        return ""
+    if isinstance(request.stop_reason, str):
+        return request.output_text
+    ids = request.output_token_ids
+    if request.finish_reason == "stop" and not params.include_stop_str_in_output:
+        ids = ids[:-1]
+    return inputs.decode(ids, skip_special_tokens=params.skip_special_tokens)
+
+
 def _completion(index: int, request: Request, inputs) -> CompletionOutput:
-    text = inputs.decode(request.output_token_ids)
+    text = _completion_text(request, inputs)
     logprobs = cumulative = None
     if request.logprobs is not None:
-        logprobs = [_logprob_dict(step, inputs) for step in request.logprobs]
+        logprobs = [_logprob_dict(step, inputs, request.params.detokenize) for step in request.logprobs]
         cumulative = sum(step[token].logprob for step, token in zip(logprobs, request.output_token_ids))
     return CompletionOutput(index, text, list(request.output_token_ids), request.finish_reason, logprobs,
                             cumulative, request.stop_reason)

@@ -18,11 +18,11 @@ class CompletionOutput:
     index: int  # which of the request's n samples
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" (EOS, stop_token_ids), "length" (max_tokens or max_model_len)
+    finish_reason: str | None  # "stop" (EOS, stop_token_ids, a stop string), "length" (max_tokens or max_model_len)
     # Per generated token {token id: Logprob}: the sampled token, and the top K (logprobs=K).
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs (with logprobs)
-    stop_reason: int | str | None = None  # the stop_token_ids id that ended it (None for EOS)
+    stop_reason: int | str | None = None  # the stop string or stop token id; None for the EOS or a length
 
 
 @dataclass

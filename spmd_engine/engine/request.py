@@ -26,7 +26,10 @@ class Request:
     logprobs: list[dict[int, tuple[float, int]]] | None = None
     num_computed_tokens: int = 0  # tokens whose K/V are in this request's blocks
     finish_reason: str | None = None
-    stop_reason: int | str | None = None  # the stop_token_ids id that ended it
+    stop_reason: int | str | None = None  # the stop string (or a non-primary EOS id) that ended it
+    # The text so far, kept only while stop strings are watched (spmd_engine.engine.stop_strings);
+    # cut at the stop string once found. None: the front end decodes the tokens at the end.
+    output_text: str | None = None
     prompt_logprobs: list[dict[int, tuple[float, int]]] | None = None  # prompt tokens 1..P-1
     num_preemptions: int = 0
     # Chain hashes of this request's full blocks, computed once each (prefix caching).

@@ -25,6 +25,7 @@ no hash-order iteration, sha256 block hashes.
 from __future__ import annotations
 
 from collections import deque
+from typing import Sequence
 
 from spmd_engine.config import SchedulerConfig
 from spmd_engine.engine.kv_cache_manager import KVCacheManager
@@ -33,12 +34,17 @@ from spmd_engine.step_messages import ModelRunnerOutput, NewRequestData, Schedul
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, eos_token_id: int | None):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 eos_token_id: int | Sequence[int] | None):
+        """`eos_token_id`: one id or several (the model's first, then generation_config.json's
+        others, e.g. Llama-3-Instruct's end-of-turn); any of them ends a request."""
         if config.max_model_len is None or config.max_num_batched_tokens is None:
             raise ValueError("SchedulerConfig.resolve(max_model_len, block_size) first")
         self.config = config
         self.kv = kv
-        self.eos_token_id = eos_token_id
+        ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        self.eos_token_id = ids[0] if ids else None  # the model's own: finishes with stop_reason None
+        self.eos_token_ids = frozenset(ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._known_to_runner: set[str] = set()
@@ -132,7 +138,7 @@ class Scheduler:
 
     def _new_request_data(self, request: Request) -> NewRequestData:
         p = request.params
-        stop_ids = ([] if self.eos_token_id is None else [self.eos_token_id]) + list(p.stop_token_ids or [])
+        stop_ids = sorted(self.eos_token_ids) + list(p.stop_token_ids or [])
         needs_prompt = p.repetition_penalty != 1.0 or p.prompt_logprobs is not None
         return NewRequestData(request.request_id, p, request.seed, request.num_prompt_tokens,
                               stop_ids if p.min_tokens else [],
@@ -182,16 +188,23 @@ class Scheduler:
                 request.finish_reason = reason
                 finished.append(request)
         for request in finished:
-            self.running.remove(request)
-            self.kv.free(request)
-            self._known_to_runner.discard(request.request_id)
-            self._finished_since_last_step.append(request.request_id)
+            self.finish_request(request)
         return finished
+
+    def finish_request(self, request: Request) -> None:
+        """Take a running request out (its finish_reason already set): free its blocks, and
+        tell the runner at the next step."""
+        self.running.remove(request)
+        self.kv.free(request)
+        self._known_to_runner.discard(request.request_id)
+        self._finished_since_last_step.append(request.request_id)
 
     def _finish_reason(self, request: Request, token: int) -> str | None:
         p = request.params
         if len(request.output_token_ids) >= p.min_tokens:
-            if token == self.eos_token_id and not p.ignore_eos:
+            if token in self.eos_token_ids and not p.ignore_eos:
+                if token != self.eos_token_id:
+                    request.stop_reason = token  # vLLM: generation_config's other EOS ids act as stop ids
                 return "stop"
             if p.stop_token_ids and token in p.stop_token_ids:
                 request.stop_reason = token  # kept in the output, as vLLM

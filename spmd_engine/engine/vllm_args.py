@@ -1,0 +1,55 @@
+"""vLLM keyword arguments that `LLM(...)` accepts without acting on them.
+
+Trainers build their engine with vLLM's full set of options (TRL passes a dozen:
+enforce_eager, disable_log_stats, model_impl, logprobs_mode, ...). Those that
+have no meaning here (CUDA graphs, quantization, LoRA, Ray, tokenizer pools, ...)
+are accepted with one warning that lists them, so trainer code runs unchanged
+and its author still learns what was ignored. A name that vLLM does not know
+either is a TypeError, as Python gives for any unexpected keyword, so a typo
+is never swallowed. The names come from vLLM's EngineArgs and LLM.__init__.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger("spmd_engine")
+
+IGNORED_VLLM_ARGS = frozenset("""
+    served_model_name tokenizer task runner convert skip_tokenizer_init tokenizer_mode trust_remote_code
+    allowed_local_media_path allowed_media_domains download_dir config_format kv_cache_dtype
+    max_parallel_loading_workers disable_sliding_window use_v2_block_manager swap_space cpu_offload_gb
+    max_logprobs logprobs_mode disable_log_stats revision code_revision rope_scaling rope_theta hf_token
+    hf_overrides tokenizer_revision quantization enforce_eager max_seq_len_to_capture
+    disable_custom_all_reduce tokenizer_pool_size tokenizer_pool_type tokenizer_pool_extra_config
+    limit_mm_per_prompt mm_processor_kwargs mm_processor_cache_gb disable_mm_preprocessor_cache
+    mm_encoder_tp_mode enable_lora enable_lora_bias max_loras max_lora_rank fully_sharded_loras
+    lora_extra_vocab_size long_lora_scaling_factors lora_dtype max_cpu_loras enable_prompt_adapter
+    max_prompt_adapters max_prompt_adapter_token num_scheduler_steps multi_step_stream_outputs
+    ray_workers_use_nsight num_gpu_blocks_override num_lookahead_slots model_loader_extra_config
+    ignore_patterns preemption_mode scheduler_delay_factor guided_decoding_backend
+    logits_processor_pattern logits_processors speculative_config speculative_model
+    num_speculative_tokens otlp_traces_endpoint collect_detailed_traces disable_async_output_proc
+    scheduling_policy scheduler_cls override_neuron_config override_pooler_config pooler_config
+    compilation_config worker_cls worker_extension_cls kv_transfer_config kv_events_config
+    generation_config override_generation_config model_impl calculate_kv_scales
+    disable_cascade_attn cuda_graph_sizes long_prefill_token_threshold max_num_partial_prefills
+    max_long_partial_prefills async_scheduling structured_outputs_config reasoning_parser
+    enable_eplb eplb_config num_redundant_experts all2all_backend enable_dbo data_parallel_rank
+    data_parallel_size_local data_parallel_address data_parallel_rpc_port data_parallel_backend
+    data_parallel_hybrid_lb data_parallel_external_lb pt_load_map_location use_tqdm_on_load
+    safetensors_load_strategy attention_backend disable_hybrid_kv_cache_manager kv_sharing_fast_prefill
+    kv_offloading_size kv_offloading_backend enable_return_routed_experts max_num_logprobs
+    prefix_caching_hash_algo disable_chunked_mm_input enable_mfu_metrics show_hidden_metrics_for_version
+""".split())
+
+
+def accept_vllm_kwargs(kwargs: dict) -> None:
+    """TypeError for a name vLLM does not know; one warning listing the ones ignored here."""
+    unknown = sorted(k for k in kwargs if k not in IGNORED_VLLM_ARGS)
+    if unknown:
+        raise TypeError(f"LLM.__init__() got an unexpected keyword argument {unknown[0]!r}"
+                        + (f" (and {unknown[1:]})" if len(unknown) > 1 else ""))
+    if kwargs:
+        logger.warning("LLM: vLLM argument(s) with no effect here, ignored: %s",
+                       ", ".join(f"{k}={kwargs[k]!r}" for k in sorted(kwargs)))
