@@ -30,8 +30,9 @@ class UniProcExecutor(Executor):
             raise
 
     def _make_worker(self) -> Worker:
-        return Worker(self.config, local_rank=0, rank=0,
-                      dp_local_rank=self.parallel_config.data_parallel_rank_local or 0)
+        pc = self.parallel_config  # with DP > 1 this replica's rank in the one world across DP
+        return Worker(self.config, local_rank=0, rank=pc.data_parallel_rank if pc.spans_dp_world else 0,
+                      dp_local_rank=pc.data_parallel_rank_local or 0)
 
     def collective_rpc(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None,
                        unique_reply_rank: int | None = None, timeout: float | None = None) -> list[Any]:
