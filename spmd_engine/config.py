@@ -266,3 +266,4 @@ class EngineConfig:
     seed: int = 0
     device: str = "cpu"  # "cuda" when GPUs are present
     timeout_s: float = 300.0
+    dp_waves: bool = False  # replicas step in lockstep (MoE under DP): engine/dp_waves.py

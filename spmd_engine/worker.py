@@ -160,6 +160,16 @@ class Worker:
     def sample_tokens(self, grammar_output=None) -> ModelRunnerOutput | None:
         return self.model_runner.sample_tokens(grammar_output)
 
+    # -- DP waves (engine/dp_waves.py) --------------------------------------------------
+    def dp_any_unfinished(self, local_unfinished: bool) -> bool:
+        """Whether any DP replica still has work: a sum over this rank's DP group (its CPU
+        path). Every rank of a replica passes the same flag, so all DP groups agree."""
+        flag = torch.tensor([int(local_unfinished)], dtype=torch.int64)
+        return bool(self.dp_group.all_reduce(flag).item())
+
+    def execute_dummy_batch(self) -> None:
+        self.model_runner.execute_dummy_batch()
+
     def get_runner_stats(self) -> dict:
         return self.model_runner.get_stats()
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, Iterator
 
 from spmd_engine import kv_sizing
 from spmd_engine.config import EngineConfig
@@ -39,6 +39,8 @@ class EngineCore:
         logger.info("engine ready: %s", kv_sizing.describe(num_blocks, cache.block_size, per_token))
         kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config, kv, eos_token_id)
+        self.dp_waves = config.dp_waves and config.parallel_config.data_parallel_size > 1
+        self.wave_stats = {"waves": 0, "wave_steps": 0, "dummy_steps": 0}
 
     @property
     def model_executor(self) -> Executor:
@@ -62,13 +64,47 @@ class EngineCore:
             raise EngineDeadError(f"engine failed while running step {scheduler_output.step}: {exc}") from exc
         return self.scheduler.update_from_output(scheduler_output, model_output)
 
+    def run_steps(self) -> Iterator[list[Request]]:
+        """Step until this replica's requests have finished, yielding each step's finished ones.
+
+        With DP waves (engine/dp_waves.py), until no replica has work: every step first asks
+        the DP group whether any replica has (so every replica takes the same number of steps),
+        and a replica with none runs a dummy forward instead. Every replica must call this
+        together (each generate call, even with no requests of its own).
+        """
+        if not self.dp_waves:
+            while self.scheduler.has_unfinished():
+                yield self.step()
+            return
+        steps = 0
+        while self._any_replica_unfinished():
+            steps += 1
+            self.wave_stats["wave_steps"] += 1
+            if self.scheduler.has_unfinished():
+                yield self.step()
+            else:
+                self._dummy_step()
+        self.wave_stats["waves"] += steps > 0
+
+    def _any_replica_unfinished(self) -> bool:
+        try:
+            return self.executor.dp_any_unfinished(self.scheduler.has_unfinished())
+        except Exception as exc:
+            raise EngineDeadError(f"engine failed while checking the DP wave: {exc}") from exc
+
+    def _dummy_step(self) -> None:
+        try:
+            self.executor.execute_dummy_batch()
+        except Exception as exc:
+            raise EngineDeadError(f"engine failed while running a dummy step: {exc}") from exc
+        self.wave_stats["dummy_steps"] += 1
+
     def run_until_done(self, progress: ProgressCallback | None = None) -> list[Request]:
         """Step until every request has finished; `progress` hears of each step's finished ones
         (and gets the finished requests themselves when it `wants_requests`, to stream them)."""
         finished = []
         with_requests = getattr(progress, "wants_requests", False)
-        while self.scheduler.has_unfinished():
-            done = self.step()
+        for done in self.run_steps():
             if done and progress is not None:
                 tokens = sum(len(r.output_token_ids) for r in done)
                 progress(len(done), tokens, done) if with_requests else progress(len(done), tokens)
@@ -97,10 +133,11 @@ class EngineCore:
         self.executor.collective_rpc("wake_up", (tags,))
 
     def get_stats(self) -> dict:
-        """Scheduler and block counters, plus the output rank's runner counters (`runner`)."""
+        """Scheduler and block counters, the output rank's runner counters (`runner`), and the DP
+        waves: whether this engine runs them, waves, steps in waves, dummy steps it ran idle."""
         runner = self.executor.collective_rpc("get_runner_stats",
                                               unique_reply_rank=self.executor.output_rank)[0]
-        return {**self.scheduler.get_stats(), "runner": runner}
+        return {**self.scheduler.get_stats(), "runner": runner, "dp_waves": self.dp_waves, **self.wave_stats}
 
     def collective_rpc(self, method, args=(), kwargs=None, unique_reply_rank=None):
         return self.executor.collective_rpc(method, args, kwargs, unique_reply_rank)

@@ -195,8 +195,7 @@ def run_engine_core(config, executor_class, max_model_len, eos, name, conn, pare
                 if kind == "generate":
                     for request in payload:
                         core.add_request(request)
-                    while core.has_unfinished_requests():
-                        done = core.step()
+                    for done in core.run_steps():  # with DP waves, until no replica has work
                         if done:  # streamed: the front end keeps them even if a later step fails
                             conn.send(("finished", done))
                     conn.send(("ok", None))

@@ -1,0 +1,33 @@
+"""One rank of a torchrun DP launch: this replica's share of the prompts, then one JSON line
+with its greedy tokens and wave counters. A replica with no share still calls generate when the
+replicas run waves (its dummy steps are what the test counts).
+
+usage: dp_waves.py MODEL TP JOBS_JSON [extra LLM kwargs as JSON]
+JOBS_JSON: [[prompt token ids, max_tokens], ...], spread over replicas as i::DP.
+"""
+
+import json
+import sys
+
+import torch.distributed as dist
+
+from spmd_engine import LLM, SamplingParams
+
+if __name__ == "__main__":
+    model, tp, jobs = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+    extra = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
+    with LLM(model=model, tensor_parallel_size=tp, data_parallel_size=2,
+             distributed_executor_backend="external_launcher", **extra) as llm:
+        replica = llm.replica_index
+        share = jobs[replica::2]
+        tokens = []
+        if share or llm.runs_dp_waves:
+            outs = llm.generate([ids for ids, _ in share],
+                                [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in share])
+            tokens = [o.outputs[0].token_ids for o in outs]
+        stats = llm.get_stats()[0]
+        keep = ("dp_waves", "waves", "wave_steps", "dummy_steps", "steps")
+        print("RESULT " + json.dumps({"rank": dist.get_rank(), "replica": replica, "tokens": tokens,
+                                      "stats": {k: stats[k] for k in keep},
+                                      "runner_dummy": stats["runner"]["dummy_steps"]}), flush=True)
+    sys.exit(0)
