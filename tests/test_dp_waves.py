@@ -9,7 +9,6 @@ same machinery (what would hang without it needs the expert layers' collectives)
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -76,16 +75,22 @@ def test_mp_waves_idle_replica_runs_counted_dummy_steps(ckpt, monkeypatch, jobs)
         assert stats[1]["steps"] == 0 and stats[1]["dummy_steps"] == stats[0]["steps"]
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "tp2xdp2"])
-def test_torchrun_waves_one_prompt_and_uneven(ckpt, tp):
-    jobs = [LONG, SHORT, LONG]  # replica 0: two long; replica 1: one short
-    launch = run_torchrun(2 * tp, [SCRIPT, ckpt, tp, json.dumps(jobs)], timeout=150,
-                          env_extra={WAVES_ENV: "1", "OMP_NUM_THREADS": "1"})
+def _torchrun(ckpt, out_dir, tp, jobs, extra=None, env=None) -> list[dict]:
+    """Run the script at TP x DP 2 under torchrun; every rank's result."""
+    args = [SCRIPT, out_dir, ckpt, tp, json.dumps(jobs)] + ([json.dumps(extra)] if extra else [])
+    launch = run_torchrun(2 * tp, args, timeout=150, env_extra={"OMP_NUM_THREADS": "1", **(env or {WAVES_ENV: "1"})})
     assert launch.returncode == 0 and not launch.timed_out, launch.describe()
     assert not launch.leftover_pids
-    results = [json.loads(line[7:]) for line in launch.stdout.splitlines() if line.startswith("RESULT ")]
+    results = [json.loads(p.read_text()) for p in sorted(out_dir.glob("rank*.json"))]
     assert len(results) == 2 * tp
+    return results
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "tp2xdp2"])
+def test_torchrun_waves_one_prompt_and_uneven(ckpt, tmp_path, tp):
+    jobs = [LONG, SHORT, LONG]  # replica 0: two long; replica 1: one short
+    results = _torchrun(ckpt, tmp_path, tp, jobs)
     expected = [reference_greedy(ckpt, ids, n) for ids, n in jobs]
     by_replica = {r["replica"]: r for r in results}
     assert by_replica[0]["tokens"] == expected[0::2] and by_replica[1]["tokens"] == expected[1::2]
@@ -98,11 +103,7 @@ def test_torchrun_waves_one_prompt_and_uneven(ckpt, tp):
 
 
 @pytest.mark.timeout(180)
-def test_torchrun_waves_with_an_idle_replica(ckpt):
-    launch = run_torchrun(2, [SCRIPT, ckpt, 1, json.dumps([LONG])], timeout=150,
-                          env_extra={WAVES_ENV: "1", "OMP_NUM_THREADS": "1"})
-    assert launch.returncode == 0 and not launch.timed_out, launch.describe()
-    results = {r["replica"]: r for r in (json.loads(line[7:]) for line in launch.stdout.splitlines()
-                                         if line.startswith("RESULT "))}
+def test_torchrun_waves_with_an_idle_replica(ckpt, tmp_path):
+    results = {r["replica"]: r for r in _torchrun(ckpt, tmp_path, 1, [LONG])}
     assert results[0]["tokens"] == [reference_greedy(ckpt, *LONG)] and results[1]["tokens"] == []
     assert results[1]["stats"]["dummy_steps"] == results[0]["stats"]["steps"] > 0

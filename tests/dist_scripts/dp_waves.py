@@ -1,12 +1,13 @@
-"""One rank of a torchrun DP launch: this replica's share of the prompts, then one JSON line
+"""One rank of a torchrun DP launch: this replica's share of the prompts, then one JSON file
 with its greedy tokens and wave counters. A replica with no share still calls generate when the
 replicas run waves (its dummy steps are what the test counts).
 
-usage: dp_waves.py MODEL TP JOBS_JSON [extra LLM kwargs as JSON]
+usage: dp_waves.py OUT_DIR MODEL TP JOBS_JSON [extra LLM kwargs as JSON]   (writes OUT_DIR/rank<r>.json)
 JOBS_JSON: [[prompt token ids, max_tokens], ...], spread over replicas as i::DP.
 """
 
 import json
+import os
 import sys
 
 import torch.distributed as dist
@@ -14,8 +15,8 @@ import torch.distributed as dist
 from spmd_engine import LLM, SamplingParams
 
 if __name__ == "__main__":
-    model, tp, jobs = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
-    extra = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
+    out_dir, model, tp, jobs = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
+    extra = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
     with LLM(model=model, tensor_parallel_size=tp, data_parallel_size=2,
              distributed_executor_backend="external_launcher", **extra) as llm:
         replica = llm.replica_index
@@ -27,7 +28,8 @@ if __name__ == "__main__":
             tokens = [o.outputs[0].token_ids for o in outs]
         stats = llm.get_stats()[0]
         keep = ("dp_waves", "waves", "wave_steps", "dummy_steps", "steps")
-        print("RESULT " + json.dumps({"rank": dist.get_rank(), "replica": replica, "tokens": tokens,
-                                      "stats": {k: stats[k] for k in keep},
-                                      "runner_dummy": stats["runner"]["dummy_steps"]}), flush=True)
+        result = {"rank": dist.get_rank(), "replica": replica, "tokens": tokens,
+                  "stats": {k: stats[k] for k in keep}, "runner_dummy": stats["runner"]["dummy_steps"]}
+        with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
+            json.dump(result, f)
     sys.exit(0)
