@@ -26,8 +26,9 @@ logger = logging.getLogger("spmd_engine")
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, device: torch.device, tp_group, pp_group,
-                 broadcast_sampled_tokens: bool = False):
+                 broadcast_sampled_tokens: bool = False, moe_groups: dict | None = None):
         self.config = config
+        self.moe_groups = moe_groups or {}
         self.device = device
         self.tp_group = tp_group
         self.pp_group = pp_group
@@ -48,7 +49,7 @@ class ModelRunner:
         mc = self.config.model_config
         self.model = load_model(mc.model_dir, self.tp_group, self.pp_group, dtype=mc.dtype,
                                 device=self.device, pp_partition=mc.pp_partition,
-                                load_format=mc.load_format)
+                                load_format=mc.load_format, **self.moe_groups)
         if packing_applies(self.model.dtype, self.device):
             packed = pack_linear_weights(self.model, batch_hint=self.config.scheduler_config.max_num_seqs)
             logger.debug("%d linear weights packed for oneDNN", packed)

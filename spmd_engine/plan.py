@@ -15,6 +15,7 @@ from spmd_engine.cli_args import (
     EXIT_USAGE, UsageParser, add_cache_args, add_parallel_args, check_cache_args, parallel_config_from_args,
 )
 from spmd_engine.config import ConfigError, ParallelConfig, launched_by_torchrun
+from spmd_engine.plan_moe import render_moe_plan
 from spmd_engine.plan_report import plan_dict, render_plan
 from spmd_engine.topology import Layout, TopologyError
 
@@ -78,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         layout, backend = layout_for(config, world)
         check_cache_args(args)
         kv = kv_plan_from_args(args, config) if args.model else None
+        moe = moe_plan_from_args(args, config, layout)
     except (ConfigError, TopologyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -87,9 +89,13 @@ def main(argv: list[str] | None = None) -> int:
         plan = plan_dict(layout, backend, args.nnodes)
         if kv is not None:
             plan["kv_cache"] = kv
+        if moe is not None:
+            plan["moe"] = moe
         print(json.dumps(plan))
     else:
         print(render_plan(layout, backend, args.nnodes, args.enable_expert_parallel))
+        if moe is not None:
+            print("\n" + render_moe_plan(moe))
         if kv is not None:
             print(kv["line"])
     return 0
@@ -116,6 +122,25 @@ def kv_plan_from_args(args, parallel: ParallelConfig) -> dict:
     return {"bytes_per_token": plan.bytes_per_token, "budget_bytes": plan.budget_bytes,
             "block_size": plan.block_size, "num_blocks": plan.num_blocks, "budget_source": plan.source,
             "max_model_len": processor.max_model_len, "line": plan.describe(processor.max_model_len)}
+
+
+def moe_plan_from_args(args, config: ParallelConfig, layout: Layout) -> dict | None:
+    """MoE traffic and expert placement: for a MoE --model, or with --enable-expert-parallel."""
+    from spmd_engine.plan_moe import moe_plan
+    spec = None
+    if args.model:
+        from spmd_engine.config import ModelConfig
+        from spmd_engine.model.loader import read_hf_config
+        from spmd_engine.model.partition import check_model_parallel
+        model_dir = ModelConfig(model=args.model).model_dir
+        ep_size = layout.dp * layout.pcp * layout.tp if config.enable_expert_parallel else None
+        spec = check_model_parallel(read_hf_config(model_dir), layout.tp, layout.pp,
+                                    source=os.path.join(model_dir, "config.json"), ep_size=ep_size)
+        if spec.moe is None:
+            return None
+    elif not config.enable_expert_parallel:
+        return None
+    return moe_plan(layout, config.enable_expert_parallel, spec)
 
 
 def _live(config: ParallelConfig, layout: Layout) -> int:

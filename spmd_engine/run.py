@@ -83,8 +83,10 @@ def check_model_and_prompts(args, prompts: list[PromptInput]) -> None:
     from spmd_engine.model.partition import check_model_parallel
     model_dir = ModelConfig(model=args.model).model_dir
     processor = InputProcessor(model_dir, args.max_model_len)
+    ep_size = (args.data_parallel_size * args.prefill_context_parallel_size * args.tensor_parallel_size
+               if args.enable_expert_parallel else None)
     check_model_parallel(processor.hf_config, args.tensor_parallel_size, args.pipeline_parallel_size,
-                         source=os.path.join(model_dir, "config.json"))
+                         source=os.path.join(model_dir, "config.json"), ep_size=ep_size)
     check_checkpoint(model_dir)
     scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                 enable_chunked_prefill=args.enable_chunked_prefill)

@@ -75,6 +75,16 @@ class Worker:
         self.tp_group = get_tp_group()
         self.pp_group = get_pp_group()
         self.dp_group = get_dp_group()
+        self.moe_groups = self._moe_groups()
+
+    def _moe_groups(self) -> dict:
+        """How MoE layers shard their experts (a dense model ignores it): over the TP group by
+        width, or with expert parallelism whole experts over the EP group, tokens gathered over
+        the DP group (moe.py)."""
+        from spmd_engine.distributed import get_ep_group
+        if not self.config.parallel_config.enable_expert_parallel:
+            return {"moe_group": self.tp_group, "expert_parallel": False}
+        return {"moe_group": get_ep_group(), "expert_parallel": True, "dispatch_group": self.dp_group}
 
     def _init_engine_world(self, backend: str) -> None:
         """Join the torch world of engine-spawned workers.
@@ -111,6 +121,7 @@ class Worker:
         from spmd_engine.model_runner import ModelRunner
         self.timings["load_start"] = time.time()
         self.model_runner = ModelRunner(self.config, self.device, self.tp_group, self.pp_group,
+                                        moe_groups=self.moe_groups,
                                         broadcast_sampled_tokens=self.broadcast_sampled_tokens)
         self.model_runner.load_model()
         self.timings["load_done"] = time.time()

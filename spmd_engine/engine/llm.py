@@ -45,7 +45,7 @@ class LLM:
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  load_format: str = "auto", enable_sleep_mode: bool = False):
         from spmd_engine.engine.input_processor import InputProcessor
-        from spmd_engine.model.partition import check_model_parallel, parse_pp_partition
+        from spmd_engine.model.partition import check_model_parallel, expert_parallel_size, parse_pp_partition
 
         parallel = ParallelConfig(
             tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
@@ -65,6 +65,10 @@ class LLM:
         source = os.path.join(model_config.model_dir, "config.json")
         spec = check_model_parallel(self.hf_config, parallel.tensor_parallel_size,
                                     parallel.pipeline_parallel_size, source=source)
+        ep_size = expert_parallel_size(parallel, spec)
+        if ep_size is not None:
+            check_model_parallel(self.hf_config, parallel.tensor_parallel_size,
+                                 parallel.pipeline_parallel_size, source=source, ep_size=ep_size)
         partition = pp_partition or os.environ.get("SPMD_ENGINE_PP_PARTITION")
         if partition:
             parse_pp_partition(partition, spec.num_layers, parallel.pipeline_parallel_size)

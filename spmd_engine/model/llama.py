@@ -1,7 +1,10 @@
-"""Llama-family causal LM (Llama, Mistral, Qwen2), one pipeline stage of it.
+"""Llama-family causal LM (Llama, Mistral, Qwen2, Qwen3 and the MoE Mixtral,
+Qwen2-MoE, Qwen3-MoE), one pipeline stage of it.
 
-One class serves the three architectures: they differ only in which
-projections carry a bias, read from config.json by ModelSpec. A rank builds
+One class serves them all: they differ in which projections carry a bias,
+whether q and k are RMS-normalised per head (Qwen3), and whether a layer's MLP
+is dense or a sparse MoE block (moe_block.py), all read from config.json by
+ModelSpec. A rank builds
 only its stage: stage 0 owns the embedding, the last stage the final norm and
 the LM head (for tied embeddings the last stage loads the embedding matrix as
 its head), and every stage owns its layers' TP shards. Parameter names match
@@ -21,6 +24,7 @@ from spmd_engine.model.attention import Attention, AttentionMetadata
 from spmd_engine.model.embedding import ParallelLMHead, VocabParallelEmbedding
 from spmd_engine.model.linear import QKVParallelLinear, RowParallelLinear
 from spmd_engine.model.mlp import SwiGLUMLP
+from spmd_engine.model.moe_block import SparseMoeBlock, hf_names, moe_tensor_shapes
 from spmd_engine.model.norm import RMSNorm
 from spmd_engine.model.partition import check_model_parallel, pp_layer_range
 from spmd_engine.model.rotary import RotaryEmbedding, apply_rotary
@@ -52,6 +56,8 @@ class LlamaAttention(nn.Module):
                                         bias=spec.o_bias, dtype=dtype)
         self.attn = Attention(self.qkv_proj.num_heads_per_rank, self.qkv_proj.num_kv_heads_per_rank,
                               spec.head_dim, spec.head_dim ** -0.5)
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype=dtype) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype=dtype) if spec.qk_norm else None
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
                 attn: AttentionMetadata | None):
@@ -61,8 +67,12 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)
         q_and_k = self.qkv_proj.q_size + self.qkv_proj.kv_size
         # q and k sit side by side in the fused output: rotate them in one pass.
-        qk = apply_rotary(qkv[..., :q_and_k].view(*lead, -1, self.head_dim), *rope)
-        q, k = qk.split([self.qkv_proj.num_heads_per_rank, self.qkv_proj.num_kv_heads_per_rank], dim=-2)
+        heads = [self.qkv_proj.num_heads_per_rank, self.qkv_proj.num_kv_heads_per_rank]
+        qk = qkv[..., :q_and_k].view(*lead, -1, self.head_dim)
+        if self.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k before RoPE
+            q, k = qk.split(heads, dim=-2)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=-2)
+        q, k = apply_rotary(qk, *rope).split(heads, dim=-2)
         v = qkv[..., q_and_k:].view(*lead, -1, self.head_dim)
         return self.o_proj(self.attn(q, k, v, attn))
 
@@ -70,12 +80,17 @@ class LlamaAttention(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block; the residual stream travels beside the hidden state."""
 
-    def __init__(self, spec: ModelSpec, tp_group, dtype: torch.dtype):
+    def __init__(self, spec: ModelSpec, tp_group, dtype: torch.dtype, layer: int = 0, moe: dict | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype)
         self.self_attn = LlamaAttention(spec, tp_group, dtype)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype)
-        self.mlp = SwiGLUMLP(spec.hidden_size, spec.intermediate_size, tp_group, bias=spec.mlp_bias, dtype=dtype)
+        if spec.is_moe_layer(layer):
+            self.mlp = SparseMoeBlock(spec, tp_group, dtype=dtype, **(moe or {"moe_group": tp_group,
+                                                                              "expert_parallel": False}))
+        else:
+            self.mlp = SwiGLUMLP(spec.hidden_size, spec.intermediate_size, tp_group, bias=spec.mlp_bias,
+                                 dtype=dtype)
 
     def forward(self, rope, hidden, residual, attn):
         if residual is None:
@@ -95,13 +110,13 @@ class LlamaModel(nn.Module):
     """
 
     def __init__(self, spec: ModelSpec, tp_group, layer_range: tuple[int, int], first: bool, last: bool,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, moe: dict | None = None):
         super().__init__()
         self.embed_tokens = (VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp_group, dtype=dtype)
                              if first else None)
         # Keyed by the global layer index so parameter names match the checkpoint.
         self.layers = nn.ModuleDict(
-            {str(i): LlamaDecoderLayer(spec, tp_group, dtype) for i in range(*layer_range)}
+            {str(i): LlamaDecoderLayer(spec, tp_group, dtype, i, moe) for i in range(*layer_range)}
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype) if last else None
         self.rotary_emb = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling)
@@ -116,12 +131,21 @@ class CausalLM(nn.Module):
     non-last stage returns {"hidden_states", "residual"} for the next stage,
     the last returns {"hidden_states"} after the final norm, which
     `compute_logits` turns into full-vocabulary float32 logits.
+
+    MoE layers shard their experts over `moe_group` (default: the TP group):
+    by width, or whole experts with `expert_parallel` (then `moe_group` is the
+    EP group); `dispatch_group` (the DP group, when the EP group spans DP
+    replicas) is where tokens are all-gathered (see moe.py). A dense model
+    ignores all three.
     """
 
     def __init__(self, hf_config: Mapping[str, Any], tp_group, pp_group, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu", pp_partition: str | None = None):
+                 device: str | torch.device = "cpu", pp_partition: str | None = None, moe_group=None,
+                 expert_parallel: bool = False, dispatch_group=None):
         super().__init__()
-        spec = check_model_parallel(hf_config, tp_group.world_size, pp_group.world_size)
+        moe_group = moe_group if moe_group is not None else tp_group
+        spec = check_model_parallel(hf_config, tp_group.world_size, pp_group.world_size,
+                                    ep_size=moe_group.world_size if expert_parallel else None)
         self.spec = spec
         self.tp_group = tp_group
         self.pp_group = pp_group
@@ -130,8 +154,9 @@ class CausalLM(nn.Module):
         self.start_layer, self.end_layer = pp_layer_range(spec.num_layers, pp_group.rank_in_group,
                                                           pp_group.world_size, pp_partition)
         with torch.device(device):
+            moe = dict(moe_group=moe_group, expert_parallel=expert_parallel, dispatch_group=dispatch_group)
             self.model = LlamaModel(spec, tp_group, (self.start_layer, self.end_layer),
-                                    self.is_first_stage, self.is_last_stage, dtype)
+                                    self.is_first_stage, self.is_last_stage, dtype, moe)
             self.lm_head = (ParallelLMHead(spec.vocab_size, spec.hidden_size, tp_group, dtype=dtype)
                             if self.is_last_stage else None)
         self.tie_weights()
@@ -225,7 +250,9 @@ class CausalLM(nn.Module):
                 continue
             fused = next((f for f in FUSED_PARAMETERS if f".{f}." in name), None)
             if fused is None:
-                yield name, name, None
+                module = self.get_submodule(name.rpartition(".")[0])
+                for hf_name, shard_id in (hf_names(self.spec, name, module) if self.spec.moe else [(name, None)]):
+                    yield hf_name, name, shard_id
                 continue
             for part, shard_id in FUSED_PARAMETERS[fused]:
                 yield name.replace(f".{fused}.", f".{part}."), name, shard_id
@@ -385,9 +412,14 @@ def hf_tensor_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
             p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
             p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
         })
+        if spec.is_moe_layer(i):
+            shapes.update(moe_tensor_shapes(spec, p))
+        else:
+            shapes.update({p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+                           p + "mlp.down_proj.weight": (h, inter)})
+        if spec.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
         if spec.qkv_bias:
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)})

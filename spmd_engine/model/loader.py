@@ -103,16 +103,21 @@ def _open(file: Path):
 
 def load_model(model_dir: str | os.PathLike | None, tp_group, pp_group, dtype: str | torch.dtype | None = None,
                device: str | torch.device = "cpu", pp_partition: str | None = None,
-               load_format: str = "auto") -> CausalLM:
+               load_format: str = "auto", moe_group=None, expert_parallel: bool = False,
+               dispatch_group=None) -> CausalLM:
     """This rank's CausalLM with its shard of the weights (model_dir None: the bundled model).
-    `load_format="dummy"` fills it with random weights (`dummy_weights`) and reads no tensor."""
+    `load_format="dummy"` fills it with random weights (`dummy_weights`) and reads no tensor.
+    MoE sharding (`moe_group`, `expert_parallel`, `dispatch_group`): see CausalLM."""
     model_dir = Path(model_dir) if model_dir is not None else BUNDLED_MODEL_DIR
     hf_config = read_hf_config(model_dir)
-    check_model_parallel(hf_config, tp_group.world_size, pp_group.world_size, source=str(model_dir / "config.json"))
+    ep_size = (moe_group or tp_group).world_size if expert_parallel else None
+    check_model_parallel(hf_config, tp_group.world_size, pp_group.world_size, source=str(model_dir / "config.json"),
+                         ep_size=ep_size)
     torch_dtype = resolve_dtype(dtype, hf_config, device)
     # Built straight on `device` with uninitialised storage of shard size (not via the meta
     # device: a first meta tensor imports torch's symbolic-shape machinery, 0.45 s per rank).
-    model = CausalLM(hf_config, tp_group, pp_group, dtype=torch_dtype, device=device, pp_partition=pp_partition)
+    model = CausalLM(hf_config, tp_group, pp_group, dtype=torch_dtype, device=device, pp_partition=pp_partition,
+                     moe_group=moe_group, expert_parallel=expert_parallel, dispatch_group=dispatch_group)
     if load_format == "dummy":
         model.load_weights(dummy_weights(model))
         return model

@@ -12,6 +12,7 @@ overrides it.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Mapping, Sequence
 
@@ -21,9 +22,12 @@ from spmd_engine.model.spec import ModelSpec
 PP_PARTITION_ENV = "SPMD_ENGINE_PP_PARTITION"
 
 
-def check_model_parallel(hf_config: Mapping[str, Any], tp: int, pp: int, source: str = "config.json") -> ModelSpec:
-    """Raise ConfigError unless this model can be cut into TP x PP; returns its spec."""
+def check_model_parallel(hf_config: Mapping[str, Any], tp: int, pp: int, source: str = "config.json",
+                         ep_size: int | None = None) -> ModelSpec:
+    """Raise ConfigError unless this model can be cut into TP x PP (and its experts over an
+    expert-parallel group of `ep_size` ranks, when given); returns its spec."""
     spec = ModelSpec.from_hf_config(hf_config, source)
+    _check_experts(spec, tp, ep_size)
     if spec.num_heads % tp:
         raise ConfigError(
             f"tensor_parallel_size {tp} must divide num_attention_heads {spec.num_heads} of this model"
@@ -33,7 +37,8 @@ def check_model_parallel(hf_config: Mapping[str, Any], tp: int, pp: int, source:
         raise ConfigError(
             f"tensor_parallel_size {tp} and num_key_value_heads {kv} of this model must divide one another"
         )
-    if spec.intermediate_size % tp:
+    dense_layers = spec.moe is None or any(not spec.is_moe_layer(i) for i in range(spec.num_layers))
+    if dense_layers and spec.intermediate_size % tp:
         raise ConfigError(
             f"tensor_parallel_size {tp} must divide intermediate_size {spec.intermediate_size} of this model"
         )
@@ -43,6 +48,42 @@ def check_model_parallel(hf_config: Mapping[str, Any], tp: int, pp: int, source:
             f"(every stage needs at least one layer)"
         )
     return spec
+
+
+def _check_experts(spec: ModelSpec, tp: int, ep_size: int | None) -> None:
+    """Experts split whole over the EP group, or each expert's width over TP."""
+    moe = spec.moe
+    if moe is None:
+        return
+    if ep_size is not None and moe.num_experts % ep_size:
+        raise ConfigError(f"num_experts {moe.num_experts} of this model is not divisible by the expert "
+                          f"parallel size {ep_size} (DP x PCP x TP)")
+    if ep_size is None and moe.expert_intermediate_size % tp:
+        raise ConfigError(f"tensor_parallel_size {tp} must divide the expert intermediate size "
+                          f"{moe.expert_intermediate_size} of this model")
+    if moe.shared_expert_intermediate_size % tp:
+        raise ConfigError(f"tensor_parallel_size {tp} must divide shared_expert_intermediate_size "
+                          f"{moe.shared_expert_intermediate_size} of this model")
+
+
+def expert_parallel_size(parallel_config, spec: ModelSpec | None = None) -> int | None:
+    """The EP group's size (DP x PCP x TP, as the topology builds it), or None when EP is off.
+
+    With `spec`: EP asked for a dense model warns once and counts as off (as vLLM),
+    and EP across DP replicas is refused until DP waves keep the replicas' MoE
+    collectives in step.
+    """
+    pc = parallel_config
+    if not pc.enable_expert_parallel:
+        return None
+    if spec is not None and spec.moe is None:
+        logging.getLogger("spmd_engine").warning(
+            "enable_expert_parallel has no effect: %s is not a mixture-of-experts model", spec.architecture)
+        return None
+    if spec is not None and pc.data_parallel_size > 1:
+        raise ConfigError(f"enable_expert_parallel with data_parallel_size {pc.data_parallel_size} needs DP "
+                          f"waves (replicas in lockstep), which are not implemented yet; use DP = 1")
+    return pc.data_parallel_size * pc.prefill_context_parallel_size * pc.tensor_parallel_size
 
 
 def parse_pp_partition(partition: str | Sequence[int], num_layers: int, pp_size: int,

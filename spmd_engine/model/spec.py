@@ -14,7 +14,10 @@ from typing import Any, Mapping
 from spmd_engine.config import ConfigError
 from spmd_engine.model.rotary import SUPPORTED_ROPE_TYPES, rope_type_of
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+# Architectures whose attention RMS-normalises q and k per head before RoPE.
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,11 @@ class ModelSpec:
     o_bias: bool
     mlp_bias: bool
     sliding_window: int | None
+    qk_norm: bool = False
+    moe: MoeSpec | None = None  # None: a dense model
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and self.moe.is_sparse(layer)
 
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, Any], source: str = "config.json") -> "ModelSpec":
@@ -60,8 +68,13 @@ class ModelSpec:
         if act != "silu":
             raise ConfigError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
         theta, scaling = _rope(cfg, source)
-        qwen = arch == "Qwen2ForCausalLM"
-        llama_bias = bool(cfg.get("attention_bias", False)) and arch == "LlamaForCausalLM"
+        qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+        # Llama, Qwen3 and Qwen3-MoE: `attention_bias` puts a bias on q, k, v and o;
+        # Qwen2 always has q/k/v biases, Qwen2-MoE per `qkv_bias` (default on).
+        all_bias = bool(cfg.get("attention_bias", False)) and arch in (
+            "LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+        qkv_bias = (all_bias or arch == "Qwen2ForCausalLM"
+                    or (arch == "Qwen2MoeForCausalLM" and bool(cfg.get("qkv_bias", True))))
         window = cfg.get("sliding_window")
         if qwen and not cfg.get("use_sliding_window", False):
             window = None
@@ -79,11 +92,63 @@ class ModelSpec:
             rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=qwen or llama_bias,
-            o_bias=llama_bias,
+            qkv_bias=qkv_bias,
+            o_bias=all_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)) and arch == "LlamaForCausalLM",
             sliding_window=int(window) if window else None,
+            qk_norm=arch in QK_NORM_ARCHITECTURES,
+            moe=MoeSpec.from_hf_config(arch, cfg, source),
         )
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """The mixture-of-experts part of a config, as each HF model reads it.
+
+    Mixtral: every layer sparse, `num_local_experts`, expert width
+    `intermediate_size`, top-k weights always renormalised and kept in float32.
+    Qwen2-MoE / Qwen3-MoE: `num_experts`, `moe_intermediate_size`,
+    `norm_topk_prob`, sparse layers chosen by `decoder_sparse_step` and
+    `mlp_only_layers`, top-k weights cast to the activation dtype; Qwen2-MoE adds
+    a shared expert behind a sigmoid gate.
+    """
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    renormalize: bool
+    weights_in_activation_dtype: bool
+    shared_expert_intermediate_size: int  # 0: none
+    sparse_step: int
+    mlp_only_layers: tuple[int, ...]
+    checkpoint_style: str  # "mixtral" (block_sparse_moe.experts.E.w1/w2/w3) or "qwen"
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer not in self.mlp_only_layers and (layer + 1) % self.sparse_step == 0
+
+    @classmethod
+    def from_hf_config(cls, arch: str, cfg: Mapping[str, Any], source: str) -> "MoeSpec | None":
+        if arch not in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+            return None
+        mixtral = arch == "MixtralForCausalLM"
+        experts = cfg.get("num_local_experts" if mixtral else "num_experts", 8 if mixtral else None)
+        top_k = cfg.get("num_experts_per_tok", 2 if mixtral else None)
+        width = cfg.get("intermediate_size" if mixtral else "moe_intermediate_size")
+        for key, value in (("num_experts", experts), ("num_experts_per_tok", top_k),
+                           ("moe_intermediate_size", width)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{source}: {key} must be a positive integer, got {value!r}")
+        if top_k > experts:
+            raise ConfigError(f"{source}: num_experts_per_tok {top_k} exceeds the number of experts {experts}")
+        step = 1 if mixtral else cfg.get("decoder_sparse_step", 1)
+        if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+            raise ConfigError(f"{source}: decoder_sparse_step must be a positive integer, got {step!r}")
+        shared = int(cfg.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
+        return cls(num_experts=experts, top_k=top_k, expert_intermediate_size=width,
+                   renormalize=mixtral or bool(cfg.get("norm_topk_prob", False)),
+                   weights_in_activation_dtype=not mixtral, shared_expert_intermediate_size=shared,
+                   sparse_step=step, mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
+                   checkpoint_style="mixtral" if mixtral else "qwen")
 
 
 def architecture_of(cfg: Mapping[str, Any], source: str = "config.json") -> str:

@@ -1,0 +1,154 @@
+"""The experts of one MoE block, fused into two 3-D weights, in either of vLLM's shardings.
+
+Weights: `w13_weight` [experts_here, 2 * width_here, hidden] (each expert's
+gate rows, then its up rows) and `w2_weight` [experts_here, hidden, width_here].
+
+Sharding over `group` (the ranks that share this block's experts):
+- tensor-parallel (default): every rank holds every expert, each expert's
+  gate/up rows column-split and its down columns row-split, like a dense
+  SwiGLU MLP; each rank's partial sums are all-reduced.
+- expert-parallel (`expert_parallel=True`, `--enable-expert-parallel`): whole
+  experts, a contiguous block of num_experts / group size per rank (rank r
+  holds experts [r * n, (r + 1) * n), as vLLM places them); each rank computes
+  only its experts' share and the shares are summed over the group.
+
+Token exchange (the collective choice): **all-gather dispatch, all-reduce
+combine.** When the group spans ranks that hold different tokens (DP
+replicas: the EP group is DP x PCP x TP), each rank all-gathers every
+replica's tokens and their routing (expert ids and weights, computed locally
+by the replicated router) over `dispatch_group` (the DP group), padded to the
+largest replica's token count; every rank then computes its experts on all of
+them, the partial outputs are all-reduced over `group` and each rank keeps its
+own rows (an all-reduce then slice, which equals a reduce-scatter; gloo has
+no reduce-scatter). Within one replica (DP = 1, or no EP) tokens are already
+the same on every rank, so there is no dispatch and the combine is the plain
+all-reduce. All-to-all would move fewer bytes at large scale; all-gather keeps
+the step's collectives fixed in number and shape-independent of routing,
+which is what an idle replica's dummy forward must match.
+
+Computation is batched per expert: the (token, expert) pairs are sorted by
+expert, and each expert runs two matmuls over all its tokens at once; the
+results are weighted and added back per token in expert order (HF's order).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from spmd_engine.model.shard import Loaded, check_shape, copy_into, divide, read_range
+
+# shard_id parts: HF's gate (w1), up (w3) and down (w2) projections of one expert
+EXPERT_PARTS = ("w1", "w3", "w2")
+
+
+class FusedMoE(nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, group,
+                 expert_parallel: bool = False, dispatch_group=None, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.group = group
+        self.dispatch_group = dispatch_group if dispatch_group is not None and dispatch_group.world_size > 1 \
+            else None
+        self.expert_parallel = expert_parallel
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        size, rank = group.world_size, group.rank_in_group
+        if expert_parallel:
+            self.num_local_experts = divide(num_experts, size, "num_experts (expert parallel size)")
+            self.first_expert = rank * self.num_local_experts
+            self.width = intermediate_size
+            self.width_start = 0
+        else:
+            self.num_local_experts, self.first_expert = num_experts, 0
+            self.width = divide(intermediate_size, size, "expert intermediate size")
+            self.width_start = rank * self.width
+        n, w = self.num_local_experts, self.width
+        self.w13_weight = nn.Parameter(torch.empty(n, 2 * w, hidden_size, dtype=dtype), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(n, hidden_size, w, dtype=dtype), requires_grad=False)
+
+    def extra_repr(self) -> str:
+        mode = "ep" if self.expert_parallel else "tp"
+        return (f"experts={self.local_experts.start}..{self.local_experts.stop - 1} of {self.num_experts}, "
+                f"width_per_rank={self.width}, {mode}={self.group.world_size}")
+
+    @property
+    def local_experts(self) -> range:
+        return range(self.first_expert, self.first_expert + self.num_local_experts)
+
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: tuple[str, int]) -> None:
+        """One HF expert matrix (`shard_id` = (part, expert)) into this rank's slot for it."""
+        part, expert = shard_id
+        if part not in EXPERT_PARTS or expert not in self.local_experts:
+            raise ValueError(f"FusedMoE holds experts {self.local_experts}, parts {EXPERT_PARTS}; "
+                             f"got {part} of expert {expert}")
+        e, w, start = expert - self.first_expert, self.width, self.width_start
+        if part == "w2":
+            check_shape(loaded, (self.hidden_size, self.intermediate_size), f"expert {expert} down")
+            copy_into(param.data[e], read_range(loaded, 1, start, start + w))
+            return
+        check_shape(loaded, (self.intermediate_size, self.hidden_size), f"expert {expert} {part}")
+        offset = 0 if part == "w1" else w
+        copy_into(param.data[e, offset:offset + w], read_range(loaded, 0, start, start + w))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H] this rank's tokens, `weights`/`ids` [T, k] their routing -> [T, H] (all experts)."""
+        if self.dispatch_group is None:
+            return self.group.all_reduce(self.compute(x, weights, ids))
+        x_all, weights_all, ids_all, row = dispatch(self.dispatch_group, x, weights, ids)
+        y = self.group.all_reduce(self.compute(x_all, weights_all, ids_all))
+        return y[row:row + x.shape[0]]
+
+    def compute(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's share: its experts (or its width slice of all) over the tokens routed to them."""
+        return expert_outputs(x, weights, ids, self.w13_weight, self.w2_weight, self.first_expert)
+
+
+def expert_outputs(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
+                   w2: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
+    """sum over each token's experts held in (w13, w2) of weight * down(silu(gate(x)) * up(x)).
+
+    Experts outside [first_expert, first_expert + len(w13)) (and ids < 0, padding)
+    contribute nothing here: another rank holds them.
+    """
+    tokens, k = ids.shape
+    local = ids.reshape(-1) - first_expert
+    held = ((local >= 0) & (local < w13.shape[0])).nonzero().squeeze(1)
+    local = local[held]
+    order = torch.argsort(local, stable=True)  # pairs grouped by expert, token order within
+    pairs = held[order]
+    counts = torch.bincount(local, minlength=w13.shape[0]).tolist()
+    token_of = torch.div(pairs, k, rounding_mode="floor")
+    xs = x[token_of]
+    out = torch.empty_like(xs)
+    start = 0
+    for expert, count in enumerate(counts):  # one pair of matmuls per expert, over all its tokens
+        if count:
+            rows = slice(start, start + count)
+            gate, up = F.linear(xs[rows], w13[expert]).chunk(2, dim=-1)
+            out[rows] = F.linear(F.silu(gate) * up, w2[expert])
+            start += count
+    scaled = (out * weights.reshape(-1)[pairs].unsqueeze(1)).to(x.dtype)
+    return torch.zeros_like(x).index_add_(0, token_of, scaled)
+
+
+def dispatch(group, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
+    """All-gather every rank's tokens and routing over `group`, each padded to the largest count.
+
+    Returns (x_all, weights_all, ids_all, first row of this rank's tokens). Padding
+    rows carry expert id -1, so no rank computes anything for them. Ids travel as
+    float32 next to the weights (exact below 2**24) to make one gather of routing.
+    """
+    n, k = ids.shape
+    sizes = group.all_gather(torch.tensor([n], dtype=torch.int64, device=x.device), dim=0).tolist()
+    most = max(sizes)
+    routing = torch.cat([ids.to(torch.float32), weights.to(torch.float32)], dim=1)
+    if most > n:
+        x = F.pad(x, (0, 0, 0, most - n))
+        routing = torch.cat([routing, routing.new_full((most - n, 2 * k), -1.0)])
+    x_all = group.all_gather(x.contiguous(), dim=0)
+    routing_all = group.all_gather(routing, dim=0)
+    ids_all = routing_all[:, :k].to(torch.int64)
+    weights_all = routing_all[:, k:].to(weights.dtype)
+    return x_all, weights_all, ids_all, group.rank_in_group * most

@@ -1,0 +1,109 @@
+"""The sparse MLP of an MoE decoder layer, and its HF tensor names.
+
+Router (a replicated [experts, hidden] matrix), the experts (FusedMoE) and,
+in Qwen2-MoE, a shared expert (a TP-split SwiGLU MLP) scaled by
+sigmoid(shared_expert_gate(x)). Our parameters sit under `mlp.` for every
+architecture; `hf_names` maps them to the checkpoint's per-expert tensors
+(Mixtral: `block_sparse_moe.experts.E.w1/w3/w2`, Qwen: `mlp.experts.E.
+gate_proj/up_proj/down_proj`), listing only the experts this rank holds, so
+a rank never reads another rank's experts.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from spmd_engine.model.mlp import SwiGLUMLP
+from spmd_engine.model.moe import FusedMoE
+from spmd_engine.model.moe_routing import route
+from spmd_engine.model.shard import replicated_weight_loader
+from spmd_engine.model.spec import ModelSpec
+
+QWEN_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+class ReplicatedLinear(nn.Module):
+    """A small matrix every rank holds whole (router, shared-expert gate)."""
+
+    weight_loader = staticmethod(replicated_weight_loader)
+
+    def __init__(self, input_size: int, output_size: int, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, spec: ModelSpec, tp_group, moe_group, expert_parallel: bool, dispatch_group=None,
+                 dtype: torch.dtype | None = None):
+        super().__init__()
+        m = spec.moe
+        self.moe = m
+        self.gate = ReplicatedLinear(spec.hidden_size, m.num_experts, dtype=dtype)
+        self.experts = FusedMoE(m.num_experts, spec.hidden_size, m.expert_intermediate_size, moe_group,
+                                expert_parallel=expert_parallel, dispatch_group=dispatch_group, dtype=dtype)
+        self.shared_expert = self.shared_expert_gate = None
+        if m.shared_expert_intermediate_size:
+            self.shared_expert = SwiGLUMLP(spec.hidden_size, m.shared_expert_intermediate_size, tp_group,
+                                           dtype=dtype)
+            self.shared_expert_gate = ReplicatedLinear(spec.hidden_size, 1, dtype=dtype)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        lead = hidden.shape[:-1]
+        x = hidden.reshape(-1, hidden.shape[-1])
+        weights, ids = route(self.gate(x), self.moe.top_k, self.moe.renormalize,
+                             self.moe.weights_in_activation_dtype)
+        out = self.experts(x, weights, ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out.view(*lead, -1)
+
+
+def _layer_prefix(param_name: str) -> str:
+    return param_name[: param_name.index(".mlp.") + 1]
+
+
+def hf_expert_name(spec: ModelSpec, layer_prefix: str, expert: int, part: str) -> str:
+    if spec.moe.checkpoint_style == "mixtral":
+        return f"{layer_prefix}block_sparse_moe.experts.{expert}.{part}.weight"
+    return f"{layer_prefix}mlp.experts.{expert}.{QWEN_PARTS[part]}.weight"
+
+
+def hf_names(spec: ModelSpec, param_name: str, module: nn.Module) -> Iterator[tuple[str, object]]:
+    """(HF tensor name, shard_id) feeding one of our MoE parameters on this rank."""
+    if ".mlp." not in param_name:
+        yield param_name, None
+        return
+    prefix = _layer_prefix(param_name)
+    if param_name.endswith(".experts.w13_weight") or param_name.endswith(".experts.w2_weight"):
+        parts = ("w2",) if param_name.endswith("w2_weight") else ("w1", "w3")
+        for expert in module.local_experts:
+            for part in parts:
+                yield hf_expert_name(spec, prefix, expert, part), (part, expert)
+    elif param_name.endswith(".mlp.gate.weight") and spec.moe.checkpoint_style == "mixtral":
+        yield f"{prefix}block_sparse_moe.gate.weight", None
+    else:
+        yield param_name, None
+
+
+def moe_tensor_shapes(spec: ModelSpec, layer_prefix: str) -> dict[str, tuple[int, ...]]:
+    """Full HF shapes of one sparse layer's MLP tensors."""
+    m, h = spec.moe, spec.hidden_size
+    gate = (f"{layer_prefix}block_sparse_moe.gate.weight" if m.checkpoint_style == "mixtral"
+            else f"{layer_prefix}mlp.gate.weight")
+    shapes = {gate: (m.num_experts, h)}
+    for expert in range(m.num_experts):
+        for part in ("w1", "w3"):
+            shapes[hf_expert_name(spec, layer_prefix, expert, part)] = (m.expert_intermediate_size, h)
+        shapes[hf_expert_name(spec, layer_prefix, expert, "w2")] = (h, m.expert_intermediate_size)
+    if m.shared_expert_intermediate_size:
+        s, p = m.shared_expert_intermediate_size, f"{layer_prefix}mlp.shared_expert."
+        shapes.update({p + "gate_proj.weight": (s, h), p + "up_proj.weight": (s, h), p + "down_proj.weight": (h, s),
+                       f"{layer_prefix}mlp.shared_expert_gate.weight": (1, h)})
+    return shapes

@@ -1,0 +1,27 @@
+"""Greedy generation of an MoE checkpoint under torchrun (external_launcher), TP 2 with expert
+parallelism; rank 0 writes every prompt's tokens and logprobs as JSON.
+
+    torchrun --nproc-per-node 2 moe_generate.py MODEL_DIR PROMPTS_JSON OUT_JSON
+"""
+
+import json
+import sys
+
+import torch.distributed as dist
+
+from spmd_engine import LLM, SamplingParams
+
+if __name__ == "__main__":
+    model, prompts_file, out_file = sys.argv[1:4]
+    prompts = json.load(open(prompts_file))  # lists of token ids
+    params = SamplingParams(max_tokens=12, logprobs=3, ignore_eos=True)
+    with LLM(model=model, tensor_parallel_size=2, enable_expert_parallel=True,
+             distributed_executor_backend="external_launcher") as llm:
+        outs = llm.generate(prompts, params)
+        rank = dist.get_rank()
+    if rank == 0:
+        rows = [{"tokens": o.outputs[0].token_ids,
+                 "logprobs": [{str(t): e.logprob for t, e in step.items()} for step in o.outputs[0].logprobs]}
+                for o in outs]
+        json.dump(rows, open(out_file, "w"))
+    sys.exit(0)
