@@ -172,6 +172,7 @@ class Worker:
         return self.model_runner.sample_tokens(grammar_output)
 
     # -- DP waves (engine/dp_waves.py) --------------------------------------------------
+    @torch.inference_mode()  # the DP group's shared-memory buffers are made inside the forward's
     def dp_any_unfinished(self, local_unfinished: bool) -> bool:
         """Whether any DP replica still has work: a sum over this rank's DP group (its CPU
         path). Every rank of a replica passes the same flag, so all DP groups agree."""
