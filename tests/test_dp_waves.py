@@ -1,9 +1,10 @@
 """DP waves (issue 14): replicas of a mixture of experts step in lockstep; an idle one runs
 dummy forwards, counted in get_stats; a dense model under DP runs none.
 
-Until a MoE model exists here, the lockstep is forced on a dense model with
-SPMD_ENGINE_DP_WAVES=1: the counters, the end of a wave and the outputs are the
-same machinery (what would hang without it needs the expert layers' collectives).
+The MoE cases use expert parallelism across the DP replicas: every MoE layer gathers the
+replicas' tokens over the DP group, so without waves a replica that runs out of work first
+leaves the others blocked in that collective (until the hang timeout). Outputs must equal
+the one-process reference decode.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_helpers import make_tiny_checkpoint, reference_greedy
+from engine_helpers import make_random_checkpoint, make_tiny_checkpoint, reference_greedy
 from launch import run_torchrun
 from spmd_engine import LLM, SamplingParams
 from spmd_engine.config import ConfigError, ParallelConfig
@@ -22,11 +23,28 @@ from spmd_engine.engine.dp_waves import WAVES_ENV, needs_dp_coordinator
 SCRIPT = Path(__file__).resolve().parent / "dist_scripts" / "dp_waves.py"
 LONG = (list(range(1, 31)), 10)  # 30-token prompt, 10 new tokens
 SHORT = ([7], 2)
+QWEN3_MOE = dict(architecture="Qwen3MoeForCausalLM", hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
+                 head_dim=32, intermediate_size=96, vocab_size=139, num_experts=8, num_experts_per_tok=3,
+                 moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=2)
+EP = {"enable_expert_parallel": True}
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    return make_random_checkpoint(tmp_path_factory.mktemp("moe"), seed=3, **QWEN3_MOE)
+
+
+def check_wave_stats(stats: list[dict], runner_dummy: list[int]) -> None:
+    """Every replica took every step of the wave, the idle ones as dummy forwards."""
+    longest = max(s["steps"] for s in stats)
+    for s, dummy in zip(stats, runner_dummy):
+        assert s["dp_waves"] and s["wave_steps"] == longest
+        assert s["dummy_steps"] == longest - s["steps"] == dummy
 
 
 def test_needs_dp_coordinator_is_moe_under_dp_only():
@@ -59,26 +77,29 @@ def test_dense_model_under_dp_runs_no_waves(ckpt, monkeypatch):
     assert stats[0]["steps"] != stats[1]["steps"]  # uneven, and nobody waited for anybody
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("jobs", [[LONG], [LONG, SHORT]], ids=["one-prompt", "uneven"])
-def test_mp_waves_idle_replica_runs_counted_dummy_steps(ckpt, monkeypatch, jobs):
-    monkeypatch.setenv(WAVES_ENV, "1")
-    tokens, stats, waves = _mp_run(ckpt, jobs)
-    assert waves
-    assert tokens == [reference_greedy(ckpt, ids, n) for ids, n in jobs]
-    longest = max(s["steps"] for s in stats)
-    for s in stats:  # every replica took every step of the wave, idle ones as dummies
-        assert s["dp_waves"] and s["waves"] == 1 and s["wave_steps"] == longest
-        assert s["dummy_steps"] == longest - s["steps"] == s["runner"]["dummy_steps"]
-    assert stats[1]["dummy_steps"] > 0
-    if len(jobs) == 1:
-        assert stats[1]["steps"] == 0 and stats[1]["dummy_steps"] == stats[0]["steps"]
+@pytest.mark.timeout(150)
+def test_mp_moe_dp2_ep_uneven_then_one_prompt(moe):
+    jobs = [LONG, SHORT]  # replica 0: the long one, replica 1: the short one
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in jobs]
+    with LLM(model=str(moe), data_parallel_size=2, timeout_s=60, **EP) as llm:
+        assert llm.runs_dp_waves
+        tokens = [o.outputs[0].token_ids for o in llm.generate([ids for ids, _ in jobs], params)]
+        uneven = llm.get_stats()
+        one = llm.generate([LONG[0]], params[0])[0].outputs[0].token_ids  # replica 1 idle from the start
+        after = llm.get_stats()
+    assert tokens == [reference_greedy(moe, ids, n) for ids, n in jobs]
+    assert one == tokens[0]
+    check_wave_stats(uneven, [s["runner"]["dummy_steps"] for s in uneven])
+    assert uneven[1]["dummy_steps"] == LONG[1] - SHORT[1]
+    assert after[1]["steps"] == uneven[1]["steps"]  # no real step on the idle replica...
+    assert after[1]["dummy_steps"] - uneven[1]["dummy_steps"] == after[0]["steps"] - uneven[0]["steps"]  # ...only dummies
+    assert [s["waves"] for s in after] == [2, 2]
 
 
-def _torchrun(ckpt, out_dir, tp, jobs, extra=None, env=None) -> list[dict]:
+def _torchrun(ckpt, out_dir, tp, jobs, extra=None) -> list[dict]:
     """Run the script at TP x DP 2 under torchrun; every rank's result."""
     args = [SCRIPT, out_dir, ckpt, tp, json.dumps(jobs)] + ([json.dumps(extra)] if extra else [])
-    launch = run_torchrun(2 * tp, args, timeout=150, env_extra={"OMP_NUM_THREADS": "1", **(env or {WAVES_ENV: "1"})})
+    launch = run_torchrun(2 * tp, args, timeout=150, env_extra={"OMP_NUM_THREADS": "1", "SPMD_ENGINE_TIMEOUT_S": "60"})
     assert launch.returncode == 0 and not launch.timed_out, launch.describe()
     assert not launch.leftover_pids
     results = [json.loads(p.read_text()) for p in sorted(out_dir.glob("rank*.json"))]
@@ -87,23 +108,19 @@ def _torchrun(ckpt, out_dir, tp, jobs, extra=None, env=None) -> list[dict]:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "tp2xdp2"])
-def test_torchrun_waves_one_prompt_and_uneven(ckpt, tmp_path, tp):
+@pytest.mark.parametrize("tp", [1, 2], ids=["dp2-ep", "tp2xdp2-ep"])
+def test_torchrun_moe_ep_uneven_prompts(moe, tmp_path, tp):
     jobs = [LONG, SHORT, LONG]  # replica 0: two long; replica 1: one short
-    results = _torchrun(ckpt, tmp_path, tp, jobs)
-    expected = [reference_greedy(ckpt, ids, n) for ids, n in jobs]
+    results = _torchrun(moe, tmp_path, tp, jobs, EP)
+    expected = [reference_greedy(moe, ids, n) for ids, n in jobs]
     by_replica = {r["replica"]: r for r in results}
     assert by_replica[0]["tokens"] == expected[0::2] and by_replica[1]["tokens"] == expected[1::2]
-    longest = max(r["stats"]["steps"] for r in results)
-    for r in results:
-        s = r["stats"]
-        assert s["dp_waves"] and s["wave_steps"] == longest
-        assert s["dummy_steps"] == longest - s["steps"] == r["runner_dummy"]
+    check_wave_stats([r["stats"] for r in results], [r["runner_dummy"] for r in results])
     assert by_replica[1]["stats"]["dummy_steps"] > 0
 
 
 @pytest.mark.timeout(180)
-def test_torchrun_waves_with_an_idle_replica(ckpt, tmp_path):
-    results = {r["replica"]: r for r in _torchrun(ckpt, tmp_path, 1, [LONG])}
-    assert results[0]["tokens"] == [reference_greedy(ckpt, *LONG)] and results[1]["tokens"] == []
+def test_torchrun_moe_ep_with_an_idle_replica(moe, tmp_path):
+    results = {r["replica"]: r for r in _torchrun(moe, tmp_path, 1, [LONG], EP)}
+    assert results[0]["tokens"] == [reference_greedy(moe, *LONG)] and results[1]["tokens"] == []
     assert results[1]["stats"]["dummy_steps"] == results[0]["stats"]["steps"] > 0
