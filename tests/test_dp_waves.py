@@ -10,14 +10,18 @@ the one-process reference decode.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
 
 from engine_helpers import make_random_checkpoint, make_tiny_checkpoint, reference_greedy
-from launch import run_torchrun
+from launch import pid_alive, run_torchrun
 from spmd_engine import LLM, SamplingParams
 from spmd_engine.config import ConfigError, ParallelConfig
+from spmd_engine.engine.core import EngineDeadError
 from spmd_engine.engine.dp_waves import WAVES_ENV, needs_dp_coordinator
 
 SCRIPT = Path(__file__).resolve().parent / "dist_scripts" / "dp_waves.py"
@@ -124,3 +128,33 @@ def test_torchrun_moe_ep_with_an_idle_replica(moe, tmp_path):
     results = {r["replica"]: r for r in _torchrun(moe, tmp_path, 1, [LONG], EP)}
     assert results[0]["tokens"] == [reference_greedy(moe, *LONG)] and results[1]["tokens"] == []
     assert results[1]["stats"]["dummy_steps"] == results[0]["stats"]["steps"] > 0
+
+
+@pytest.mark.timeout(150)
+def test_mp_moe_worker_death_in_one_replica_ends_both_promptly(moe):
+    """The replicas share one world and every MoE layer's collectives: a worker killed in
+    replica 1 leaves replica 0's workers in a collective with a dead peer. The whole generate
+    must still fail at once (not after the 60 s hang timeout) and every process must go."""
+    long = SamplingParams(max_tokens=100, ignore_eos=True)
+    llm = LLM(model=str(moe), data_parallel_size=2, max_model_len=128, timeout_s=60, **EP)
+    try:
+        workers = llm.collective_rpc(lambda w: os.getpid())  # replica 0's worker, then replica 1's
+        cores = [p.pid for p in llm._engine.procs]
+        record: dict = {}
+
+        def progress(n, tokens):  # replica 1's short request finished: both still mid-wave
+            if "killed_at" not in record:
+                record["killed_at"] = time.monotonic()
+                os.kill(workers[1], signal.SIGKILL)
+
+        jobs = [[1, 2, 3], [4, 5], [6, 7, 8], [9, 10]]  # replica 0: two long; replica 1: short, long
+        with pytest.raises(EngineDeadError):
+            llm.generate(jobs, [long, SamplingParams(max_tokens=2, ignore_eos=True), long, long],
+                         progress=progress)
+        assert time.monotonic() - record["killed_at"] < 10
+        deadline = time.monotonic() + 10
+        while any(pid_alive(p) for p in cores + workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [p for p in cores + workers if pid_alive(p)]
+    finally:
+        llm.shutdown()
