@@ -229,6 +229,9 @@ def log_engine_stats(llm, first_replica: int = 0) -> None:
                     "prefix_hits_tokens=%d/%d prefill_tokens=%d kv_blocks=%d", first_replica + i, s["steps"],
                     s["preemptions"], s["peak_running"], s["prefix_hits_tokens"], s["prefix_queries_tokens"],
                     s["runner"]["prefill_tokens"], s["num_blocks"])
+        if s.get("dp_waves"):
+            logger.info("engine stats (replica %d): DP waves=%d wave_steps=%d dummy_steps=%d",
+                        first_replica + i, s["waves"], s["wave_steps"], s["dummy_steps"])
 
 
 def run_launched(args, prompts, params, todo: list[int], ident: dict | None) -> list[dict] | None:
