@@ -22,6 +22,11 @@ Figures
              without chunked prefill vs with it (budget 256)
   tp         TP=2 mp (one thread per rank) vs uni (two threads), same model and batch
   tp4        TP=4 mp on this host (processes may outnumber cores) vs uni, tokens/s
+  mixed      64 requests, prompts 32-512 tokens, 64 new tokens, default settings, uni bf16 vs
+             transformers' continuous batching (generate_batch, "paged|sdpa") on the same weights,
+             tokens/s; 256 requests too (one rep each)
+  pp         PP=2 mp, one thread per stage, two steps in flight (batch queue) vs uni with one
+             thread, 32 requests, tokens/s; same output tokens asserted
   startup    torchrun world 8 (TP2 PP2 DP2, bundled model): launch to first token of
              `spmd_engine.run`, and phases from scripts/bench_rank.py; group creation vs
              number of groups (worlds 2, 4, 8)
@@ -30,6 +35,8 @@ Figures
   wave       DP waves: an idle replica's wave step (a dummy forward of one token) vs a real
              decode step at batch 8, random Qwen3-MoE (16 experts top-4, hidden 512), fp32, uni
              (ratio = value / baseline, lower is cheaper)
+  moe        MoE decode B=8 bf16 (uni) tokens/s vs transformers generate on the same random
+             Qwen3-MoE-shaped checkpoint (16 experts top-4, hidden 512, 8 layers)
 """
 
 from __future__ import annotations
@@ -54,14 +61,14 @@ import bench_allreduce  # noqa: E402  (measurement code reused, not copied)
 import bench_rpc_transport  # noqa: E402
 from make_random_checkpoint import make_random_checkpoint  # noqa: E402
 
-FIGURES = ("rpc", "allreduce", "decode", "capacity", "prefix", "chunked", "tp", "tp4", "startup", "load", "wave")
+FIGURES = ("rpc", "allreduce", "decode", "capacity", "prefix", "chunked", "tp", "tp4", "pp", "mixed", "startup", "load",
+           "moe", "wave")
 LLAMA_SHAPE = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2, intermediate_size=1536,
                    vocab_size=32000, max_position_embeddings=8192)
-
-
-MOE_SHAPE = dict(architecture="Qwen3MoeForCausalLM", hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2,
-                 head_dim=64, intermediate_size=1536, vocab_size=32000, max_position_embeddings=8192,
-                 num_experts=16, num_experts_per_tok=4, moe_intermediate_size=256)
+QWEN3_MOE_SHAPE = dict(architecture="Qwen3MoeForCausalLM", hidden_size=512, num_layers=8, num_heads=8,
+                       num_kv_heads=2, head_dim=64, intermediate_size=1536, vocab_size=32000,
+                       max_position_embeddings=8192, num_experts=16, num_experts_per_tok=4,
+                       moe_intermediate_size=256, norm_topk_prob=True)
 
 
 def emit(name, value, baseline, ratio, unit, **params) -> None:
@@ -146,8 +153,8 @@ def hf_generator(model_dir: str, dtype):
     """(tokens/s function, kind): transformers' generate if importable, else a plain torch loop."""
     import torch
     try:
-        from transformers import LlamaForCausalLM
-        model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=dtype).eval()
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
 
         def run(prompts, new_tokens):
             ids = torch.tensor(prompts)
@@ -206,10 +213,8 @@ def read_bandwidth(mib: int = 512) -> float:
 def weight_bytes_per_step(model_dir: str, itemsize: int) -> int:
     """Bytes of weights read per decode step: every matrix except the embedding (a gather)."""
     s = LLAMA_SHAPE
-    h, i, v = s["hidden_size"], s["intermediate_size"], s["vocab_size"]
-    d = h // s["num_heads"]
-    per_layer = h * (s["num_heads"] + 2 * s["num_kv_heads"]) * d + s["num_heads"] * d * h + 3 * h * i + 2 * h
-    return (s["num_layers"] * per_layer + h + v * h) * itemsize
+    h, v = s["hidden_size"], s["vocab_size"]
+    return (layer_params(s["num_layers"]) + h + v * h) * itemsize
 
 
 def fig_decode(args) -> None:
@@ -240,6 +245,30 @@ def fig_decode(args) -> None:
         emit(f"decode_roofline_fraction_{dtype_name}", achieved / 1e9, bw / 1e9, achieved / bw, "GB/s",
              ratio_is="weight bytes read per step x steps/s over measured read bandwidth (1.0 = roofline)",
              weight_bytes_per_step=step_bytes, bandwidth_probe="torch.sum over 512 MiB fp32, all threads")
+
+
+def fig_moe(args) -> None:
+    """Qwen3-MoE decode, bf16, B=8: LLM (uni) vs transformers generate, interleaved reps."""
+    import torch
+    from spmd_engine import LLM
+    path = Path(args.workdir) / "qwen3moe_h512_l8_e16_k4"
+    if not (path / "config.json").exists():
+        make_random_checkpoint(path, **QWEN3_MOE_SHAPE)
+    batch, plen, new = 8, 32, (16 if args.quick else 64)
+    prompts = prompts_for(batch, plen, QWEN3_MOE_SHAPE["vocab_size"])
+    llm = LLM(model=str(path), dtype="bfloat16", max_model_len=plen + new + 8, max_num_seqs=batch,
+              distributed_executor_backend="uni")
+    ref, kind = hf_generator(str(path), torch.bfloat16)
+    time_engine(llm, prompts, 4), ref(prompts, 4)  # warm-up
+    ours, theirs = [], []
+    for _ in range(args.reps):
+        ours.append(time_engine(llm, prompts, new))
+        theirs.append(ref(prompts, new))
+    llm.shutdown()
+    v, b = statistics.median(ours), statistics.median(theirs)
+    emit("moe_decode_tokens_per_s_bfloat16", v, b, v / b, "tokens/s", batch=batch, prompt=plen, new_tokens=new,
+         experts=16, top_k=4, hidden=512, layers=8, threads=torch.get_num_threads(), reps=args.reps,
+         baseline_is=kind, loadavg_1m=loadavg(), ratio_is="value/baseline, higher is better; target >= 1.5")
 
 
 # ---------------------------------------------------------------- memory model
@@ -387,6 +416,126 @@ def fig_tp(args, tp: int = 2) -> None:
          prompt=plen, new_tokens=new, dtype="float32", loadavg_1m=loadavg())
 
 
+def balanced_pp_partition() -> str:
+    """Layers on stage 0 vs stage 1 that make the stages' weight bytes closest (LM head on the last)."""
+    s = LLAMA_SHAPE
+    layer = layer_params(1)
+    head = s["vocab_size"] * s["hidden_size"]
+    first = min(range(1, s["num_layers"]), key=lambda k: max(k * layer, (s["num_layers"] - k) * layer + head))
+    return f"{first},{s['num_layers'] - first}"
+
+
+def layer_params(layers: int) -> int:
+    """Parameters of `layers` decoder layers of LLAMA_SHAPE."""
+    s = LLAMA_SHAPE
+    h, i = s["hidden_size"], s["intermediate_size"]
+    d = h // s["num_heads"]
+    return layers * (h * (s["num_heads"] + 2 * s["num_kv_heads"]) * d + s["num_heads"] * d * h + 3 * h * i + 2 * h)
+
+
+def fig_pp(args) -> None:
+    """Issue 17's PP overlap: each stage idles half the time without steps in flight (~1x)."""
+    import torch
+    from spmd_engine import LLM, SamplingParams
+    model_dir = random_llama(args)
+    batch, plen, new = 32, 32, (16 if args.quick else 64)
+    prompts = prompts_for(batch, plen, LLAMA_SHAPE["vocab_size"])
+    kw = dict(model=model_dir, dtype="float32", max_model_len=plen + new + 8)
+    # The last stage also streams the LM head (as many bytes as 5 of these layers): an even
+    # split of layers leaves stage 0 idle part of every step, so balance weight bytes instead
+    # (SPMD_ENGINE_PP_PARTITION, as vLLM's VLLM_PP_LAYER_PARTITION).
+    partition = balanced_pp_partition()
+    threads, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"  # one thread per stage (an explicit value wins)
+    try:
+        uni = LLM(distributed_executor_backend="uni", **kw)
+        os.environ["SPMD_ENGINE_PP_PARTITION"] = partition  # read by the spawned workers
+        par = LLM(pipeline_parallel_size=2, distributed_executor_backend="mp", **kw)
+        try:
+            same = SamplingParams(max_tokens=8, ignore_eos=True)
+            assert [o.outputs[0].token_ids for o in uni.generate(prompts, same)] == \
+                [o.outputs[0].token_ids for o in par.generate(prompts, same)], "PP=2 changed the output"
+            u, p = [], []
+            for _ in range(args.reps):
+                p.append(time_engine(par, prompts, new))
+                u.append(time_engine(uni, prompts, new))
+            in_flight = par.get_stats()[0]["peak_in_flight"]
+        finally:
+            par.shutdown()
+            uni.shutdown()
+    finally:
+        torch.set_num_threads(threads)
+        os.environ.pop("SPMD_ENGINE_PP_PARTITION", None)
+        if omp is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = omp
+    v, b = statistics.median(p), statistics.median(u)
+    emit("pp2_overlap_vs_uni_tokens_per_s", v, b, v / b, "tokens/s", ratio_is="value/baseline; target >= 1.6",
+         cores=len(os.sched_getaffinity(0)), threads_per_stage=1, uni_threads=1, peak_steps_in_flight=in_flight,
+         pp_partition=partition,
+         batch=batch, prompt=plen, new_tokens=new, dtype="float32", loadavg_1m=loadavg())
+
+
+def mixed_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    import random
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab - 3) for _ in range(rng.randrange(32, 513))] for _ in range(n)]
+
+
+def fig_mixed(args) -> None:
+    """Issue 17's mixed batch: continuous batching against continuous batching."""
+    import logging
+
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from spmd_engine import LLM, SamplingParams
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
+    model_dir = random_llama(args)
+    new = 16 if args.quick else 64
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="paged|sdpa").eval()
+    gen = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    llm = LLM(model=model_dir, dtype="bfloat16", distributed_executor_backend="uni")  # default settings
+    sp = SamplingParams(max_tokens=new, ignore_eos=True)
+
+    def ours(prompts):
+        t = time.perf_counter()
+        outs = llm.generate(prompts, sp)
+        dt = time.perf_counter() - t
+        assert all(len(o.outputs[0].token_ids) == new for o in outs)
+        return len(prompts) * new / dt
+
+    def theirs(prompts):
+        t = time.perf_counter()
+        with torch.inference_mode():
+            outs = hf.generate_batch(prompts, generation_config=gen, warmup=False)
+        dt = time.perf_counter() - t
+        assert len(outs) == len(prompts) and all(len(o.generated_tokens) == new for o in outs.values())
+        return len(prompts) * new / dt
+
+    try:
+        warm = mixed_prompts(4, LLAMA_SHAPE["vocab_size"], seed=1)
+        ours(warm), theirs(warm)
+        for n, reps in ((64, 1 if args.quick else max(1, args.reps // 2)), (256, 1)):
+            if args.quick and n > 64:
+                continue
+            prompts = mixed_prompts(n, LLAMA_SHAPE["vocab_size"])
+            o, t = [], []
+            for _ in range(reps):
+                o.append(ours(prompts))
+                t.append(theirs(prompts))
+            v, b = statistics.median(o), statistics.median(t)
+            emit(f"mixed_batch_{n}_tokens_per_s_bfloat16", v, b, v / b, "tokens/s",
+                 ratio_is="value/baseline" + ("; target >= 3" if n == 64 else ""), requests=n,
+                 prompt_tokens="32-512 uniform", new_tokens=new, reps=reps,
+                 baseline_is="transformers generate_batch (continuous batching, paged|sdpa), a manager per call",
+                 threads=torch.get_num_threads(), loadavg_1m=loadavg())
+    finally:
+        llm.shutdown()
+
+
 # ---------------------------------------------------------------- startup
 def torchrun(nproc: int, argv: list[str], env: dict | None = None, timeout: float = 600):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), *argv]
@@ -492,11 +641,11 @@ def fig_wave(args) -> None:
     model, interleaved repetitions. Under mp the step also carries the DP all-reduce and one
     RPC (tens of microseconds: the rpc figure)."""
     from spmd_engine import LLM, SamplingParams
-    path = Path(args.workdir) / "qwen3moe_h512_l8_e16"
+    path = Path(args.workdir) / "qwen3moe_h512_l8_e16_k4"  # the moe figure's checkpoint
     if not (path / "config.json").exists():
-        make_random_checkpoint(path, **MOE_SHAPE)
+        make_random_checkpoint(path, **QWEN3_MOE_SHAPE)
     batch, plen, new = 8, 32, 16 if args.quick else 48
-    prompts = prompts_for(batch, plen, MOE_SHAPE["vocab_size"])
+    prompts = prompts_for(batch, plen, QWEN3_MOE_SHAPE["vocab_size"])
     llm = LLM(model=str(path), dtype="float32", max_model_len=plen + new + 8, max_num_seqs=batch,
               distributed_executor_backend="uni", enable_prefix_caching=False)
     executor = llm.llm_engine.executor
@@ -543,7 +692,8 @@ def main() -> None:
     os.makedirs(args.workdir, exist_ok=True)
     table = {"rpc": fig_rpc, "allreduce": fig_allreduce, "decode": fig_decode, "capacity": fig_capacity,
              "prefix": fig_prefix, "chunked": fig_chunked, "tp": fig_tp,
-             "tp4": lambda a: fig_tp(a, 4), "startup": fig_startup, "load": fig_load, "wave": fig_wave}
+             "tp4": lambda a: fig_tp(a, 4), "pp": fig_pp, "mixed": fig_mixed, "startup": fig_startup, "load": fig_load,
+             "moe": fig_moe, "wave": fig_wave}
     for name in FIGURES:
         if name in chosen:
             table[name](args)

@@ -25,6 +25,13 @@ def launched_by_torchrun(environ: Mapping[str, str]) -> bool:
     return all(name in environ for name in TORCHRUN_VARS)
 
 
+def launched_by_srun(environ: Mapping[str, str]) -> bool:
+    """True in an srun task: SLURM_PROCID and the task count with SLURM_STEP_ID, which only srun
+    exports (a command typed in an sbatch or salloc shell sees the allocation's variables too)."""
+    return ("SLURM_PROCID" in environ and "SLURM_STEP_ID" in environ
+            and ("SLURM_NTASKS" in environ or "SLURM_NPROCS" in environ))
+
+
 def resolve_backend(
     requested: str | type | None,
     world_size: int,
@@ -35,9 +42,10 @@ def resolve_backend(
 
     An explicit value wins (a string from BACKENDS, or an Executor subclass: the
     subclass check itself lives in Executor.get_class, which config may not
-    import). Under a torchrun launch the default is external_launcher, since the
-    launcher already made every process. Otherwise "mp" as soon as more than one
-    rank is in play across DP, and "uni" only when TP = PP = PCP = DP = 1.
+    import). Under a torchrun or srun launch the default is external_launcher, since
+    the launcher already made every process (the CLI resolves it alike). Otherwise
+    "mp" as soon as more than one rank is in play across DP, and "uni" only when
+    TP = PP = PCP = DP = 1.
     """
     if requested is not None:
         if isinstance(requested, type):
@@ -48,7 +56,7 @@ def resolve_backend(
                 f"(expected one of {', '.join(BACKENDS)} or an Executor subclass)"
             )
         return requested
-    if launched_by_torchrun(environ):
+    if launched_by_torchrun(environ) or launched_by_srun(environ):
         return "external_launcher"
     if world_size_across_dp > 1:
         return "mp"

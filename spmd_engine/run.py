@@ -193,18 +193,33 @@ def check_launched_world(args) -> None:
 
 def check_same_invocation(args, prompts: list[PromptInput]) -> None:
     """Every rank must have the same flags and prompts; compare a hash through the
-    launcher's store before any group or model exists, and fail on every rank."""
+    launcher's store before any group or model exists, and fail on every rank.
+
+    Rank 0 alone reads every rank's hash and publishes the verdict; the others read
+    only that, so the check costs O(world) store operations in all, not O(world^2).
+    """
     import hashlib
 
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _get_default_store
     digest = hashlib.sha256(repr((sorted(vars(args).items()), prompts)).encode()).hexdigest()
     store, rank, world = _get_default_store(), dist.get_rank(), dist.get_world_size()
-    store.set(f"spmd_engine/invocation/{rank}", digest)
-    others = [store.get(f"spmd_engine/invocation/{r}").decode() for r in range(world)]
-    odd = [r for r, d in enumerate(others) if d != others[0]]
+    verdict_key = "spmd_engine/invocation/verdict"
+    if rank == 0:
+        others = [digest] + [store.get(f"spmd_engine/invocation/{r}").decode() for r in range(1, world)]
+        odd = [r for r, d in enumerate(others) if d != digest]
+        store.set(verdict_key, repr(odd))
+    else:
+        store.set(f"spmd_engine/invocation/{rank}", digest)
+        odd = _parse_rank_list(store.get(verdict_key).decode())
     if odd:
         raise ConfigError(f"ranks {odd} were started with different flags or prompts than rank 0")
+
+
+def _parse_rank_list(text: str) -> list[int]:
+    """The verdict rank 0 wrote: a list of ints, parsed without eval."""
+    import ast
+    return [int(r) for r in ast.literal_eval(text)]
 
 
 def log_launch(llm) -> None:

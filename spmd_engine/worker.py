@@ -44,7 +44,7 @@ class Worker:
         pc = self.config.parallel_config
         if self.config.device == "cuda":
             if pc.distributed_executor_backend == "external_launcher":
-                index = int(os.environ.get("LOCAL_RANK", self.local_rank))
+                index = self.local_rank
             else:
                 layout = topology.Layout(tp=pc.tensor_parallel_size, pp=pc.pipeline_parallel_size,
                                          pcp=pc.prefill_context_parallel_size)
@@ -65,7 +65,8 @@ class Worker:
         pc = self.config.parallel_config
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         if pc.distributed_executor_backend == "external_launcher":
-            init_distributed_environment(backend=backend, timeout_s=self.config.timeout_s)
+            init_distributed_environment(local_rank=self.local_rank, backend=backend,
+                                         timeout_s=self.config.timeout_s)
             initialize_model_parallel(pc)
         else:
             # uni and mp: the engine's own world, laid out by initialize_model_parallel.
@@ -181,6 +182,11 @@ class Worker:
 
     def execute_dummy_batch(self) -> None:
         self.model_runner.execute_dummy_batch()
+
+    def execute_and_sample(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
+        """One message per step for an engine with steps in flight: run, then sample."""
+        result = self.model_runner.execute_model(out)
+        return result if result is not None else self.model_runner.sample_tokens(None)
 
     def get_runner_stats(self) -> dict:
         return self.model_runner.get_stats()

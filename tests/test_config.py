@@ -34,6 +34,16 @@ def test_backend_resolution_as_the_seed_traces_it():
     assert resolve_backend(None, 1, 1, NO_LAUNCHER) == "uni"
 
 
+def test_backend_under_srun_is_external_launcher_as_the_cli_resolves_it():
+    srun = {"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "0"}
+    assert resolve_backend(None, 2, 2, srun) == "external_launcher"
+    assert resolve_backend(None, 1, 1, dict(srun, SLURM_NTASKS="1")) == "external_launcher"
+    assert resolve_backend("mp", 2, 2, srun) == "mp"
+    # A command typed in an sbatch / salloc shell sees the allocation but is no srun task.
+    sbatch_shell = {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "7"}
+    assert resolve_backend(None, 2, 2, sbatch_shell) == "mp"
+
+
 def test_backend_under_torchrun_env(monkeypatch):
     for k, v in TORCHRUN.items():
         monkeypatch.setenv(k, v)

@@ -160,21 +160,6 @@ def test_mp_processes_are_the_plan_and_visible_in_ps(ckpt):
 
 
 @pytest.mark.timeout(120)
-def test_llm_reuses_a_trainers_world_and_leaves_it_intact():
-    from launch import REPO, run_torchrun
-    launch = run_torchrun(4, [str(REPO / "tests" / "dist_scripts" / "trainer_reuse.py")], timeout=100)
-    assert launch.returncode == 0, launch.describe()
-    # The ranks share one stdout pipe, so their lines may interleave: find each whole report.
-    import re
-    lines = sorted(re.findall(r"rank \d replica \d text '[^']*' world-sum \d", launch.stdout))
-    assert lines == ["rank 0 replica 0 text ' better than' world-sum 4",
-                     "rank 1 replica 0 text ' better than' world-sum 4",
-                     "rank 2 replica 1 text ' never pass ' world-sum 4",
-                     "rank 3 replica 1 text ' never pass ' world-sum 4"], launch.describe()
-    assert not launch.leftover_pids
-
-
-@pytest.mark.timeout(120)
 def test_mp_workers_share_the_cores_unless_told_otherwise(ckpt, monkeypatch, capfd):
     """Unset OMP_NUM_THREADS: each of a host's workers gets cores // workers threads.
     Set above that share: it is kept, and the first worker warns once."""

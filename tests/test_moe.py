@@ -97,13 +97,14 @@ def test_expert_parallel_keeps_greedy_output_and_matches_transformers(checkpoint
 
 
 @pytest.mark.timeout(300)
-def test_torchrun_tp2_expert_parallel_matches_transformers(checkpoints, tmp_path):
+@pytest.mark.parametrize("mode", ["ep", "tp"])
+def test_torchrun_tp2_matches_transformers(checkpoints, tmp_path, mode):
     from launch import run_torchrun
     name = "mixtral-4x-top2"
     prompts = prompts_for(CONFIGS[name]["vocab_size"])
     (tmp_path / "prompts.json").write_text(json.dumps(prompts))
     launch = run_torchrun(2, [REPO / "tests" / "dist_scripts" / "moe_generate.py", checkpoints[name],
-                              tmp_path / "prompts.json", tmp_path / "out.json"], timeout=240)
+                              tmp_path / "prompts.json", tmp_path / "out.json", mode], timeout=240)
     assert launch.returncode == 0, launch.describe()
     assert not launch.leftover_pids
     rows = json.loads((tmp_path / "out.json").read_text())
@@ -297,8 +298,27 @@ def test_plan_shows_moe_traffic_and_experts_per_ep_rank(checkpoints, tmp_path):
     assert [t["group"] for t in moe["traffic_per_sparse_layer"]] == ["dp", "ep"]
     text = plan("-tp", "2", "--model", model).stdout
     assert "tp  all_reduce of expert outputs" in text and "expert width per TP rank: 16" in text
-    bad = plan("-tp", "2", "-dp", "2", "--enable-expert-parallel", "--model", str(checkpoints["mixtral-4x-top2"]),
-               "--distributed-executor-backend", "external_launcher", "--world-size", "4", "-pp", "1")
-    assert bad.returncode == 0  # 4 experts over EP 4: fine
     three = plan("-tp", "2", "-dp", "3", "--enable-expert-parallel", "--model", str(checkpoints["mixtral-4x-top2"]))
     assert three.returncode == 2 and "num_experts 4" in three.stderr and "expert parallel size 6" in three.stderr
+
+
+def test_update_weights_reaches_only_the_expert_holders(checkpoints):
+    """A trainer's full HF-named tensors (RL weight sync): each EP rank copies its own experts'
+    tensors and skips the others'; with packing on, the packed experts follow the update."""
+    from safetensors.torch import load_file
+    from spmd_engine.model.packed_weights import pack_linear_weights
+    path = checkpoints["qwen3moe-normtopk-step2-headdim32"]  # sparse layers 1 and 3, 8 experts
+    state = load_file(str(path / "model.safetensors"))
+    name = "model.layers.1.mlp.experts.5.down_proj.weight"
+    for rank in (0, 1):
+        group = FakeGroup(2, rank)
+        model = CausalLM(read_hf_config(path), group, SoloGroup(), moe_group=group, expert_parallel=True)
+        model.update_weights(state)
+        pack_linear_weights(model, 8)
+        experts = model.model.layers["1"].mlp.experts
+        x = torch.randn(3, 64)
+        ids, weights = torch.full((3, 1), 5), torch.ones(3, 1)
+        before = experts.compute(x, weights, ids)
+        copied = model.update_weights([(name, state[name] * 2)])
+        assert copied == ({name} if rank == 1 else set())
+        torch.testing.assert_close(experts.compute(x, weights, ids), before * 2 if rank == 1 else before)

@@ -17,7 +17,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Mapping
 
-from spmd_engine.config import ConfigError
+from spmd_engine.config import ConfigError, launched_by_srun
 
 # Derived ports land in [PORT_BASE, PORT_BASE + PORT_SPAN): above the privileged
 # range and below Linux's default ephemeral range (32768+), where the kernel
@@ -181,8 +181,7 @@ def read_launch_env(environ: Mapping[str, str]) -> LaunchEnv | None:
     """
     if "RANK" in environ and "WORLD_SIZE" in environ:
         env = _from_torchrun(environ)
-    elif ("SLURM_PROCID" in environ and "SLURM_STEP_ID" in environ
-          and ("SLURM_NTASKS" in environ or "SLURM_NPROCS" in environ)):
+    elif launched_by_srun(environ):
         env = _from_slurm(environ)
     else:
         return None

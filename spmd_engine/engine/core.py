@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections import deque
 from typing import Callable, Iterator
 
 from spmd_engine import kv_sizing
@@ -41,6 +42,8 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler_config, kv, eos_token_id)
         self.dp_waves = config.dp_waves and config.parallel_config.data_parallel_size > 1
         self.wave_stats = {"waves": 0, "wave_steps": 0, "dummy_steps": 0}
+        self._batch_queue: deque = deque()  # (SchedulerOutput, its result) of steps in flight
+        self._peak_in_flight = 0
 
     @property
     def model_executor(self) -> Executor:
@@ -55,7 +58,10 @@ class EngineCore:
 
     def step(self) -> list[Request]:
         """Schedule, run the model, sample (unless the first call already answered), update."""
+        if self.executor.max_concurrent_batches > 1 and not self.dp_waves:
+            return self._step_with_batch_queue()  # (a wave step is exactly one forward: no queue)
         scheduler_output = self.scheduler.schedule()
+        self._peak_in_flight = max(self._peak_in_flight, 1)
         try:
             model_output = self.executor.execute_model(scheduler_output)
             if model_output is None:
@@ -99,6 +105,30 @@ class EngineCore:
             raise EngineDeadError(f"engine failed while running a dummy step: {exc}") from exc
         self.wave_stats["dummy_steps"] += 1
 
+    def _step_with_batch_queue(self) -> list[Request]:
+        """vLLM's batch queue: send steps until `max_concurrent_batches` are in flight or
+        nothing else can run, then take the oldest step's result. Which steps are sent
+        depends only on the order of replies, never on timing, so output is unchanged."""
+        queue, limit = self._batch_queue, self.executor.max_concurrent_batches
+        if len(queue) < limit:
+            out = self.scheduler.schedule(in_flight=len(queue), max_in_flight=limit)
+            if out is not None:
+                try:
+                    queue.append((out, self.executor.execute_model_async(out)))
+                    self._peak_in_flight = max(self._peak_in_flight, len(queue))
+                except Exception as exc:
+                    queue.clear()
+                    raise EngineDeadError(f"engine failed while running step {out.step}: {exc}") from exc
+                if len(queue) < limit:
+                    return []
+        out, result = queue.popleft()
+        try:
+            model_output = result()
+        except Exception as exc:
+            queue.clear()
+            raise EngineDeadError(f"engine failed while running step {out.step}: {exc}") from exc
+        return self.scheduler.update_from_output(out, model_output)
+
     def run_until_done(self, progress: ProgressCallback | None = None) -> list[Request]:
         """Step until every request has finished; `progress` hears of each step's finished ones
         (and gets the finished requests themselves when it `wants_requests`, to stream them)."""
@@ -137,7 +167,8 @@ class EngineCore:
         waves: whether this engine runs them, waves, steps in waves, dummy steps it ran idle."""
         runner = self.executor.collective_rpc("get_runner_stats",
                                               unique_reply_rank=self.executor.output_rank)[0]
-        return {**self.scheduler.get_stats(), "runner": runner, "dp_waves": self.dp_waves, **self.wave_stats}
+        return {**self.scheduler.get_stats(), "peak_in_flight": self._peak_in_flight, "runner": runner,
+                "dp_waves": self.dp_waves, **self.wave_stats}
 
     def collective_rpc(self, method, args=(), kwargs=None, unique_reply_rank=None):
         return self.executor.collective_rpc(method, args, kwargs, unique_reply_rank)

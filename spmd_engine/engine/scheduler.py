@@ -10,6 +10,13 @@ them. When a running request cannot get a block, the newest running request
 is preempted: its blocks are freed and it goes back to the front of the
 queue, to be recomputed (mostly from the prefix cache) when room returns.
 
+With pipeline parallelism under mp the engine keeps up to `pp_size` steps in
+flight (vLLM's batch queue): a request whose step is still in flight has no
+token to compute and is skipped, so the steps in flight hold disjoint requests,
+each at most ceil(unfinished / in-flight limit) of them, and the stages
+overlap. A request preempted while its step is in flight has that step's token
+discarded when it comes back (it will be recomputed).
+
 Every rank of a replica under external_launcher runs its own copy of this
 scheduler, so it decides the same batches from the same inputs: no clocks,
 no hash-order iteration, sha256 block hashes.
@@ -37,6 +44,9 @@ class Scheduler:
         self._known_to_runner: set[str] = set()
         self._finished_since_last_step: list[str] = []
         self._step = 0
+        # (step, request id) -> the request's preemption count when that step was scheduled
+        # to sample it: a token that comes back for an older count is stale and dropped.
+        self._awaiting: dict[tuple[int, str], int] = {}
         self.stats = {"steps": 0, "preemptions": 0, "peak_running": 0,
                       "prefix_queries_tokens": 0, "prefix_hits_tokens": 0}
 
@@ -47,16 +57,22 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # -- one step -----------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, in_flight: int = 0, max_in_flight: int = 1) -> SchedulerOutput | None:
+        """The next step. With `in_flight` steps not yet returned (of at most `max_in_flight`),
+        requests in them are skipped, and None means nothing else can run until one returns."""
         finished, self._finished_since_last_step = self._finished_since_last_step, []
         self._step += 1
         budget = self.config.max_num_batched_tokens
+        max_seqs = -(-(len(self.running) + len(self.waiting)) // max_in_flight)
         seqs: list[ScheduledSeq] = []
         new: list[NewRequestData] = []
         preempted = False
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(seqs) < max_seqs:
             request = self.running[i]
+            if request.num_tokens == request.num_computed_tokens:  # its step is in flight
+                i += 1
+                continue
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             added = self.kv.allocate_slots(request, n)
             while added is None:
@@ -72,7 +88,11 @@ class Scheduler:
             budget -= n
             i += 1
         if not preempted:
-            budget = self._admit(budget, seqs, new)
+            budget = self._admit(budget, seqs, new, max_seqs)
+        if not seqs and in_flight:
+            self._finished_since_last_step = finished  # they go with the next step sent
+            self._step -= 1
+            return None
         if not seqs and self.has_unfinished():
             raise RuntimeError(
                 f"step {self._step}: nothing could be scheduled ({len(self.waiting)} waiting, "
@@ -82,10 +102,11 @@ class Scheduler:
         self.stats["peak_running"] = max(self.stats["peak_running"], len(self.running))
         return SchedulerOutput(self._step, seqs, new, finished)
 
-    def _admit(self, budget: int, seqs: list[ScheduledSeq], new: list[NewRequestData]) -> int:
+    def _admit(self, budget: int, seqs: list[ScheduledSeq], new: list[NewRequestData], max_seqs: int) -> int:
         """Waiting requests in order, while the budget, max_num_seqs and free blocks allow."""
         bs = self.kv.block_size
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
+               and len(seqs) < max_seqs):
             request = self.waiting[0]
             hits = self.kv.get_computed_blocks(request)
             computed = len(hits) * bs
@@ -112,8 +133,11 @@ class Scheduler:
     def _scheduled(self, request: Request, n: int, added: list[int], new_block_table: bool) -> ScheduledSeq:
         start = request.num_computed_tokens
         request.num_computed_tokens = start + n  # counted now, as vLLM: the step is in flight
+        sample = start + n == request.num_tokens
+        if sample:
+            self._awaiting[(self._step, request.request_id)] = request.num_preemptions
         return ScheduledSeq(request.request_id, request.token_slice(start, start + n), start, added,
-                            new_block_table, sample=start + n == request.num_tokens)
+                            new_block_table, sample=sample)
 
     def _preempt(self, request: Request) -> None:
         """Recompute-style preemption: free everything, requeue at the front."""
@@ -135,7 +159,9 @@ class Scheduler:
         by_id = {r.request_id: r for r in self.running}
         finished = []
         for i, (rid, token) in enumerate(zip(model_output.request_ids, model_output.sampled_token_ids)):
-            request = by_id[rid]
+            request, epoch = by_id.get(rid), self._awaiting.pop((out.step, rid))
+            if request is None or request.num_preemptions != epoch:
+                continue  # preempted while this step was in flight: it is being recomputed
             request.output_token_ids.append(int(token))
             if model_output.logprobs is not None and model_output.logprobs[i] is not None:
                 request.logprobs = (request.logprobs or []) + [model_output.logprobs[i]]

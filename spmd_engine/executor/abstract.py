@@ -102,6 +102,20 @@ class Executor(ABC):
     def execute_dummy_batch(self) -> None:
         self.collective_rpc("execute_dummy_batch", unique_reply_rank=self.output_rank)
 
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Steps the engine may have in flight at once (vLLM's batch queue): 1 unless the
+        executor can run pipeline stages on different steps at the same time."""
+        return 1
+
+    def execute_model_async(self, scheduler_output) -> Callable[[], Any]:
+        """Start a step; the returned function gives its ModelRunnerOutput. Here the step
+        runs to the end first; executors that overlap steps return before it has."""
+        output = self.execute_model(scheduler_output)
+        if output is None:
+            output = self.sample_tokens(None)
+        return lambda: output
+
     def determine_num_kv_blocks(self) -> tuple[int, int]:
         """(blocks, KV bytes per token on the fullest rank): workers already agree on the blocks."""
         replies = self.collective_rpc("determine_num_kv_blocks")

@@ -42,6 +42,7 @@ class MultiprocExecutor(Executor):
         self.workers: list[WorkerHandle] = []
         self.response_mqs: list[MessageQueue] = []
         self.rpc_broadcast_mq = None
+        self._in_flight = self._sent_steps = self._read_steps = 0  # steps sent, not yet read
         timeout = self.config.timeout_s
         # DP = 1: the workers' rendezvous store lives here, on a port the OS picks (no race, no
         # fixed port). DP > 1: every replica's workers join one world at the front end's store.
@@ -118,11 +119,47 @@ class MultiprocExecutor(Executor):
         to this call that nobody will read, so no later call may run on them. Every
         later call raises RuntimeError("Executor failed.") before enqueueing anything.
         """
+        if self._in_flight:
+            raise RuntimeError(f"collective_rpc while {self._in_flight} steps are in flight")
+        timeout = self.config.timeout_s if timeout is None else timeout
+        name = self._send(method, args, kwargs, unique_reply_rank, timeout)
+        ranks = list(range(self.world_size)) if unique_reply_rank is None else [unique_reply_rank]
+        return self._receive(ranks, name, timeout)
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """vLLM's batch queue: with PP, one step per stage in flight, so the stages overlap.
+        Each worker takes its messages in order, so stage 0 starts step k+1 while the
+        last stage still runs step k, and every stage sees the steps in the same order."""
+        return self.parallel_config.pipeline_parallel_size
+
+    def execute_model_async(self, scheduler_output) -> Callable[[], Any]:
+        """Send the step and return at once; the function returned reads its reply (replies
+        come back in the order the steps were sent, and must be read in that order)."""
+        if self.max_concurrent_batches == 1:
+            return super().execute_model_async(scheduler_output)
+        timeout = self.config.timeout_s
+        name = self._send("execute_and_sample", (scheduler_output,), None, self.output_rank, timeout,
+                          check_idle=not self._in_flight)
+        self._in_flight += 1
+        ticket = self._sent_steps = self._sent_steps + 1
+
+        def result():
+            if ticket != self._read_steps + 1:
+                raise RuntimeError(f"step replies must be read in order: step {ticket} asked, "
+                                   f"{self._read_steps + 1} next")
+            self._read_steps += 1
+            self._in_flight -= 1
+            return self._receive([self.output_rank], name, timeout)[0]
+        return result
+
+    def _send(self, method: str | Callable, args: tuple, kwargs: dict | None, unique_reply_rank: int | None,
+              timeout: float, check_idle: bool = True) -> str:
         if self.is_failed:
             raise RuntimeError("Executor failed.")
-        self._check_no_late_reply()
+        if check_idle:
+            self._check_no_late_reply()
         send_method = dumps_method(method)
-        timeout = self.config.timeout_s if timeout is None else timeout
         name = method if isinstance(method, str) else getattr(method, "__name__", "callable")
         try:
             self.rpc_broadcast_mq.enqueue((send_method, args, kwargs, unique_reply_rank), timeout=timeout)
@@ -133,8 +170,13 @@ class MultiprocExecutor(Executor):
         except BaseException:
             self._fail(f"collective_rpc {name!r}: could not send the call")
             raise
-        ranks = list(range(self.world_size)) if unique_reply_rank is None else [unique_reply_rank]
+        return name
+
+    def _receive(self, ranks: list[int], name: str, timeout: float) -> list[Any]:
+        if self.is_failed:
+            raise RuntimeError("Executor failed.")
         early: dict[int, tuple] = {}  # replies read ahead while waiting on a slower rank
+        waiting_on = ranks[0]
 
         def no_failure_elsewhere() -> bool:
             """Checked every 0.1 s while a reply is awaited: has another worker failed?"""

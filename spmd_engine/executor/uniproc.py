@@ -30,6 +30,13 @@ class UniProcExecutor(Executor):
             raise
 
     def _make_worker(self) -> Worker:
+        import torch.distributed as dist
+        if dist.is_initialized():  # a process has one default group, and this one is the caller's
+            raise ConfigError(
+                "torch.distributed's default process group already exists (made by the caller): an "
+                "engine in this process can only share it, with distributed_executor_backend="
+                "'external_launcher' (one replica per TP x PP ranks of that world)"
+            )
         pc = self.parallel_config  # with DP > 1 this replica's rank in the one world across DP
         return Worker(self.config, local_rank=0, rank=pc.data_parallel_rank if pc.spans_dp_world else 0,
                       dp_local_rank=pc.data_parallel_rank_local or 0)
@@ -48,14 +55,24 @@ class ExecutorWithExternalLauncher(UniProcExecutor):
     """One engine per torchrun process; all ranks of a replica run the same schedule."""
 
     def _make_worker(self) -> Worker:
+        """This process's place: the trainer's default group when one exists (its world may have
+        been made from tcp:// or file:// with no launcher variables at all), else the launch env."""
+        import torch
+        import torch.distributed as dist
+
         from spmd_engine.distributed.launch_env import read_launch_env
-        if read_launch_env(os.environ) is None:
-            import torch.distributed as dist
-            if not dist.is_initialized():
-                raise ConfigError(
-                    "distributed_executor_backend 'external_launcher' needs a launcher: "
-                    "run under torchrun or srun"
-                )
-        rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
-        local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")))
+        launch = read_launch_env(os.environ)
+        if dist.is_initialized():
+            rank = dist.get_rank()
+        elif launch is not None:
+            rank = launch.rank
+        else:
+            raise ConfigError(
+                "distributed_executor_backend 'external_launcher' needs a launcher (torchrun, srun) "
+                "or a default process group made by the caller (torch.distributed.init_process_group)"
+            )
+        if launch is not None:
+            local_rank = launch.local_rank
+        else:  # a trainer that built its world by hand has already picked its device
+            local_rank = torch.cuda.current_device() if torch.cuda.is_available() else 0
         return Worker(self.config, local_rank=local_rank, rank=rank, broadcast_sampled_tokens=True)

@@ -364,6 +364,9 @@ class CausalLM(nn.Module):
             else:  # keeps a tied embedding and head one Parameter
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
         self._discarded = discarded
+        for module in self.modules():  # packed copies of MoE experts go too
+            if hasattr(module, "drop_packed"):
+                module.drop_packed()
         self.needs_weights = True  # until the next update_weights fills them
 
     def allocate_discarded_weights(self) -> None:

@@ -14,12 +14,12 @@ from __future__ import annotations
 from typing import Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from spmd_engine.model.mlp import SwiGLUMLP
 from spmd_engine.model.moe import FusedMoE
 from spmd_engine.model.moe_routing import route
+from spmd_engine.model.packed_weights import linear
 from spmd_engine.model.shard import replicated_weight_loader
 from spmd_engine.model.spec import ModelSpec
 
@@ -27,16 +27,18 @@ QWEN_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 class ReplicatedLinear(nn.Module):
-    """A small matrix every rank holds whole (router, shared-expert gate)."""
+    """A small matrix every rank holds whole (router, shared-expert gate); packed for oneDNN
+    on CPU like the parallel linears (packed_weights.py)."""
 
     weight_loader = staticmethod(replicated_weight_loader)
+    packable_weight = True
 
     def __init__(self, input_size: int, output_size: int, dtype: torch.dtype | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
 
 class SparseMoeBlock(nn.Module):

@@ -79,6 +79,10 @@ def pack_linear_weights(model: nn.Module, batch_hint: int) -> int:
     """
     packed = 0
     for module in model.modules():
+        if hasattr(module, "pack_experts"):  # MoE experts: packed per expert (moe.py)
+            module.pack_experts(batch_hint)
+            packed += 1
+            continue
         if not getattr(module, "packable_weight", False) or module.weight.is_mkldnn:
             continue
         module.packed_batch_hint = batch_hint

@@ -1,7 +1,7 @@
-"""Greedy generation of an MoE checkpoint under torchrun (external_launcher), TP 2 with expert
-parallelism; rank 0 writes every prompt's tokens and logprobs as JSON.
+"""Greedy generation of an MoE checkpoint under torchrun (external_launcher), TP 2, with expert
+parallelism (`ep`) or without (`tp`); rank 0 writes every prompt's tokens and logprobs as JSON.
 
-    torchrun --nproc-per-node 2 moe_generate.py MODEL_DIR PROMPTS_JSON OUT_JSON
+    torchrun --nproc-per-node 2 moe_generate.py MODEL_DIR PROMPTS_JSON OUT_JSON ep|tp
 """
 
 import json
@@ -12,10 +12,10 @@ import torch.distributed as dist
 from spmd_engine import LLM, SamplingParams
 
 if __name__ == "__main__":
-    model, prompts_file, out_file = sys.argv[1:4]
+    model, prompts_file, out_file, mode = sys.argv[1:5]
     prompts = json.load(open(prompts_file))  # lists of token ids
     params = SamplingParams(max_tokens=12, logprobs=3, ignore_eos=True)
-    with LLM(model=model, tensor_parallel_size=2, enable_expert_parallel=True,
+    with LLM(model=model, tensor_parallel_size=2, enable_expert_parallel=mode == "ep",
              distributed_executor_backend="external_launcher") as llm:
         outs = llm.generate(prompts, params)
         rank = dist.get_rank()

@@ -1,0 +1,176 @@
+#!/usr/bin/env python
+"""Colocated GRPO on the bundled model: trainer and rollout engine share every torchrun rank.
+
+    torchrun --nproc-per-node 4 scripts/examples/rl_colocate.py [--steps 10]
+
+The 4 ranks are the trainer's data-parallel world (torch DDP over gloo) and, inside the same
+world, two TP=2 rollout replicas (`distributed_executor_backend="external_launcher"`): ranks
+{0,1} are replica 0, {2,3} replica 1. Each step:
+
+1. every replica samples `n` completions for its own prompts (both ranks of a replica pass the
+   same prompts and seeds, so they generate the same tokens), with the sampled tokens' logprobs;
+2. reward = how often a letter occurs in the completion; advantages are normalised within each
+   prompt's group of n samples (GRPO);
+3. the engine sleeps; each rank trains on its half of its replica's samples: the trainer
+   recomputes the sampled tokens' logprobs with its own model (printed: their largest
+   difference from the engine's, a check that both run the same weights), and DDP averages the
+   policy-gradient step over the 4 ranks;
+4. the engine wakes, takes the trainer's new weights in place (`load_weights` with HF names,
+   full tensors) and resets its prefix cache, so the next rollouts come from the new policy.
+
+Why DDP and not FSDP2: the model has 1.2M parameters, so sharding it saves nothing, and DDP's
+`state_dict()` is already full tensors under HF names, the form `load_weights` takes (an FSDP2
+model would hand DTensors, which `load_weights` gathers with `full_tensor()`; that works too).
+
+The reward curve must come from the weight updates reaching the engine: `--no-weight-sync`
+skips `load_weights`, and then the reward stays flat while the logprob difference grows.
+Deterministic: fixed seeds for the trainer, the engine and every request; OMP_NUM_THREADS=1.
+The trainer's model is transformers' LlamaForCausalLM (`pip install transformers`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+# Prompts the bundled model (which memorised the Zen of Python) has never seen: its samples vary,
+# so rewards differ within a group and the policy gradient has something to work with.
+PROMPTS = ["Hello", "The cat", "xq", "zzz", "1234", "Once upon", "foo bar", "Q:"]
+TP = 2
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--prompts-per-replica", type=int, default=4)
+    p.add_argument("--samples", type=int, default=4, help="samples per prompt (the GRPO group)")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--letter", default="e", help="the reward counts this letter in the completion")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-weight-sync", action="store_true",
+                   help="negative control: never push the trainer's weights to the engine")
+    return p.parse_args(argv)
+
+
+def rollout(llm, prompts: list[str], args, step: int, first_index: int):
+    """n samples per prompt; each prompt has its own seed (sample k draws from seed + k)."""
+    from spmd_engine import SamplingParams
+    params = [SamplingParams(n=args.samples, temperature=1.0, logprobs=0, max_tokens=args.max_tokens,
+                             seed=((args.seed * 1000 + step) * len(PROMPTS) + first_index + i) * args.samples)
+              for i in range(len(prompts))]
+    return llm.generate(prompts, params)
+
+
+def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """GRPO: each sample's reward against its prompt's group ([prompts, n] -> same shape)."""
+    return (rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)
+
+
+def token_logprobs(model, prompt_ids: list[list[int]], completions: list[list[int]]):
+    """The trainer's logprob of every sampled token: [samples, longest completion] and its mask."""
+    lengths = [len(p) + len(c) for p, c in zip(prompt_ids, completions)]
+    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    for i, (p, c) in enumerate(zip(prompt_ids, completions)):
+        ids[i, : lengths[i]] = torch.tensor(p + c)
+    logits = model(input_ids=ids[:, :-1]).logits  # right padding: causal attention ignores it
+    all_logprobs = torch.log_softmax(logits.float(), dim=-1).gather(2, ids[:, 1:, None]).squeeze(2)
+    width = max(len(c) for c in completions)
+    out = torch.zeros(len(lengths), width)
+    mask = torch.zeros(len(lengths), width)
+    for i, (p, c) in enumerate(zip(prompt_ids, completions)):
+        out[i, : len(c)] = all_logprobs[i, len(p) - 1 : len(p) - 1 + len(c)]
+        mask[i, : len(c)] = 1
+    return out, mask
+
+
+def engine_logprobs(completions, shape) -> torch.Tensor:
+    """The engine's logprob of each sampled token (`logprobs=0`), laid out as token_logprobs'."""
+    out = torch.zeros(shape)
+    for row, c in enumerate(completions):
+        out[row, : len(c.token_ids)] = torch.tensor([c.logprobs[t][tok].logprob
+                                                     for t, tok in enumerate(c.token_ids)])
+    return out
+
+
+def world_mean(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
+def world_max(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def main(argv=None) -> list[float]:
+    args = parse_args(argv)
+    from transformers import LlamaForCausalLM
+
+    from spmd_engine import LLM
+    from spmd_engine.config import ModelConfig
+
+    dist.init_process_group("gloo")  # the trainer's world, before the engine exists
+    rank, world = dist.get_rank(), dist.get_world_size()
+    replica, tp_rank, replicas = rank // TP, rank % TP, world // TP
+    torch.manual_seed(args.seed)
+    path = ModelConfig(model=None).model_dir  # the bundled model
+
+    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+    trainer = DistributedDataParallel(model)  # CPU + gloo: gradients all-reduced over the 4 ranks
+    optimizer = torch.optim.Adam(trainer.parameters(), lr=args.lr)
+    llm = LLM(model=path, tensor_parallel_size=TP, distributed_executor_backend="external_launcher",
+              seed=args.seed + replica, enable_sleep_mode=True, max_model_len=64)
+    engine_model = llm.llm_engine.model_executor.driver_worker.model_runner.model
+
+    first = replica * args.prompts_per_replica
+    prompts = [PROMPTS[(first + i) % len(PROMPTS)] for i in range(args.prompts_per_replica)]
+    curve = []
+    for step in range(args.steps):
+        outs = rollout(llm, prompts, args, step, first)
+        samples = [(o.prompt_token_ids, c) for o in outs for c in o.outputs]
+        rewards = torch.tensor([float(c.text.count(args.letter)) for _, c in samples])
+        rewards = rewards.view(len(outs), args.samples)
+        advantages = group_advantages(rewards).view(-1)
+        # Both ranks of a replica hold the same samples: each trains on its half.
+        mine = list(range(tp_rank, len(samples), TP))
+        llm.sleep(level=1)  # the KV cache's memory is the training step's now
+
+        logprobs, mask = token_logprobs(trainer, [samples[i][0] for i in mine],
+                                        [samples[i][1].token_ids for i in mine])
+        engine = engine_logprobs([samples[i][1] for i in mine], logprobs.shape)
+        diff = ((logprobs.detach() - engine).abs() * mask).max().item()
+        per_sample = (logprobs * mask).sum(1) / mask.sum(1)
+        loss = -(advantages[mine] * per_sample).mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # DDP averages the gradients over every rank's samples
+        optimizer.step()
+
+        llm.wake_up(tags=["weights"])
+        if not args.no_weight_sync:
+            engine_model.load_weights(model.state_dict().items())  # full tensors, HF names
+        llm.wake_up(tags=["kv_cache"])
+        llm.reset_prefix_cache()  # cached prefixes hold keys and values of the old weights
+
+        reward = world_mean(rewards.mean().item())  # every replica counted TP times: its mean
+        diff = world_max(diff)
+        curve.append(round(reward, 4))
+        if rank == 0:
+            print(f"step {step:2d}  mean reward {reward:6.3f}  max |trainer - engine logprob| {diff:.2e}"
+                  f"  ({replicas} replicas x {len(samples)} samples)", flush=True)
+    if rank == 0:
+        print("REWARD_CURVE " + json.dumps(curve), flush=True)
+    llm.shutdown()  # the engine's groups only: the trainer's world is still up
+    dist.barrier()
+    dist.destroy_process_group()
+    return curve
+
+
+if __name__ == "__main__":
+    main()
