@@ -158,3 +158,20 @@ def test_mp_moe_worker_death_in_one_replica_ends_both_promptly(moe):
         assert not [p for p in cores + workers if pid_alive(p)]
     finally:
         llm.shutdown()
+
+
+@pytest.mark.timeout(180)
+def test_run_cli_under_torchrun_with_fewer_prompts_than_replicas(moe, tmp_path):
+    """`spmd_engine.run` under torchrun, DP 2 + EP, one prompt: the replica with no share must
+    still step with the other (it calls generate with no prompts), or rank 0 fails."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt_token_ids": LONG[0]}) + "\n")
+    out = tmp_path / "out.jsonl"
+    launch = run_torchrun(2, ["-m", "spmd_engine.run", "--model", moe, "-dp", 2, "--enable-expert-parallel",
+                              "--prompts-file", prompts, "--max-tokens", LONG[1], "--output", out,
+                              "--timeout", 60], timeout=150, env_extra={"OMP_NUM_THREADS": "1"})
+    assert launch.returncode == 0 and not launch.timed_out, launch.describe()
+    assert not launch.leftover_pids
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    eos = json.loads((moe / "config.json").read_text()).get("eos_token_id")
+    assert [r["token_ids"] for r in records] == [reference_greedy(moe, *LONG, eos=eos)]
