@@ -32,6 +32,9 @@ Figures
              number of groups (worlds 2, 4, 8)
   load       peak RSS per rank at TP 1, 2, 4 vs checkpoint size; load throughput vs
              reading the file
+  wave       DP waves: an idle replica's wave step (a dummy forward of one token) vs a real
+             decode step at batch 8, random Qwen3-MoE (16 experts top-4, hidden 512), fp32, uni
+             (ratio = value / baseline, lower is cheaper)
   moe        MoE decode B=8 bf16 (uni) tokens/s vs transformers generate on the same random
              Qwen3-MoE-shaped checkpoint (16 experts top-4, hidden 512, 8 layers)
   sampling   Sampler.sample for B=256 rows x V=152,064 (fp32 logits on the device, cuda when
@@ -63,7 +66,7 @@ import bench_rpc_transport  # noqa: E402
 from make_random_checkpoint import make_random_checkpoint  # noqa: E402
 
 FIGURES = ("rpc", "allreduce", "decode", "capacity", "prefix", "chunked", "tp", "tp4", "pp", "mixed", "startup", "load",
-           "moe", "sampling")
+           "moe", "wave", "sampling")
 LLAMA_SHAPE = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2, intermediate_size=1536,
                    vocab_size=32000, max_position_embeddings=8192)
 QWEN3_MOE_SHAPE = dict(architecture="Qwen3MoeForCausalLM", hidden_size=512, num_layers=8, num_heads=8,
@@ -647,6 +650,49 @@ def fig_load(args) -> None:
              "file (page cache warm)", load_s=round(load_s, 3), checkpoint_mib=round(size / 2 ** 20, 1))
 
 
+# ---------------------------------------------------------------- wave
+def fig_wave(args) -> None:
+    """What an idle replica pays per wave step: its dummy forward (one token through every
+    layer, no KV write, no sampling), against one decode step of a busy replica at batch 8
+    (from two runs differing only in new tokens, so prefill cancels out). Same process and
+    model, interleaved repetitions. Under mp the step also carries the DP all-reduce and one
+    RPC (tens of microseconds: the rpc figure)."""
+    from spmd_engine import LLM, SamplingParams
+    path = Path(args.workdir) / "qwen3moe_h512_l8_e16_k4"  # the moe figure's checkpoint
+    if not (path / "config.json").exists():
+        make_random_checkpoint(path, **QWEN3_MOE_SHAPE)
+    batch, plen, new = 8, 32, 16 if args.quick else 48
+    prompts = prompts_for(batch, plen, QWEN3_MOE_SHAPE["vocab_size"])
+    llm = LLM(model=str(path), dtype="float32", max_model_len=plen + new + 8, max_num_seqs=batch,
+              distributed_executor_backend="uni", enable_prefix_caching=False)
+    executor = llm.llm_engine.executor
+
+    def run(tokens: int) -> float:
+        t = time.perf_counter()
+        llm.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True))
+        return time.perf_counter() - t
+
+    def dummies(n: int = 50) -> float:
+        t = time.perf_counter()
+        for _ in range(n):
+            executor.execute_dummy_batch()
+        return (time.perf_counter() - t) / n
+
+    try:
+        run(4), dummies(5)
+        steps, idle = [], []
+        for _ in range(args.reps):
+            steps.append((run(new) - run(1)) / (new - 1))
+            idle.append(dummies())
+    finally:
+        llm.shutdown()
+    v, b = statistics.median(idle), statistics.median(steps)
+    emit("wave_idle_dummy_step_vs_decode_step", v * 1e3, b * 1e3, v / b, "ms",
+         ratio_is="value/baseline: idle replica's dummy forward vs a batch-8 decode step; lower is cheaper",
+         model="Qwen3-MoE random, 16 experts top-4, hidden 512, 8 layers", dtype="float32", batch=batch,
+         prompt=plen, new_tokens=new, loadavg_1m=loadavg())
+
+
 # ---------------------------------------------------------------- sampling
 def fig_sampling(args) -> None:
     import torch
@@ -715,7 +761,7 @@ def main() -> None:
     table = {"rpc": fig_rpc, "allreduce": fig_allreduce, "decode": fig_decode, "capacity": fig_capacity,
              "prefix": fig_prefix, "chunked": fig_chunked, "tp": fig_tp,
              "tp4": lambda a: fig_tp(a, 4), "pp": fig_pp, "mixed": fig_mixed, "startup": fig_startup, "load": fig_load,
-             "moe": fig_moe, "sampling": fig_sampling}
+             "moe": fig_moe, "wave": fig_wave, "sampling": fig_sampling}
     for name in FIGURES:
         if name in chosen:
             table[name](args)

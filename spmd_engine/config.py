@@ -87,6 +87,10 @@ class ParallelConfig:
     nnodes: int = 1
     enable_expert_parallel: bool = False
     distributed_executor_backend: str | type | None = None
+    # Rendezvous of the one torch world across DP replicas (mp / uni with DP > 1): the store
+    # the front end hosts, on a port the OS picked. 0 until the front end sets it.
+    data_parallel_master_ip: str = "127.0.0.1"
+    data_parallel_master_port: int = 0
     world_size: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -141,6 +145,12 @@ class ParallelConfig:
     def world_size_across_dp(self) -> int:
         """Process world size across TP, PCP, PP and DP."""
         return self.world_size * self.data_parallel_size
+
+    @property
+    def spans_dp_world(self) -> bool:
+        """Engine-spawned workers of every DP replica share one torch world (vLLM's layout):
+        mp or uni with DP > 1. Under a launcher the launched world already holds them."""
+        return self.data_parallel_size > 1 and self.distributed_executor_backend != "external_launcher"
 
     @property
     def local_world_size(self) -> int:
@@ -264,3 +274,4 @@ class EngineConfig:
     seed: int = 0
     device: str = "cpu"  # "cuda" when GPUs are present
     timeout_s: float = 300.0
+    dp_waves: bool = False  # replicas step in lockstep (MoE under DP): engine/dp_waves.py

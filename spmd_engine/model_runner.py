@@ -41,7 +41,7 @@ class ModelRunner:
         self.prompt_lens: dict[str, int] = {}
         # (sampling request ids, (logits, output indices) on the last stage, prompt logprobs)
         self._pending: tuple[list[str], tuple | None, dict | None] | None = None
-        self.stats = {"steps": 0, "tokens": 0, "prefill_tokens": 0, "sampled": 0}
+        self.stats = {"steps": 0, "tokens": 0, "prefill_tokens": 0, "sampled": 0, "dummy_steps": 0}
 
     # -- start-up ---------------------------------------------------------------
     def load_model(self) -> None:
@@ -127,6 +127,8 @@ class ModelRunner:
             self.sampler.add_request(new.request_id, new.params, new.seed, new.stop_ids, new.prompt_token_ids)
             self.prompt_lens[new.request_id] = new.num_prompt_tokens
         if not out.seqs:
+            if self.config.dp_waves:  # the other replicas run a forward this step: match it
+                self.execute_dummy_batch()
             return EMPTY_MODEL_RUNNER_OUTPUT
         input_ids, positions, attn, sample_index = self._prepare_inputs(out)
         intermediate = None
@@ -177,6 +179,22 @@ class ModelRunner:
             result[rid] = entries[start:start + len(rows_of)]
             start += len(rows_of)
         return result
+
+    @torch.inference_mode()
+    def execute_dummy_batch(self) -> None:
+        """One token through this stage, for a replica with no work during a DP wave: its expert
+        layers' collectives meet the busy replicas'. No KV write (the token attends only to
+        itself), no logits, no output; counted in the stats as a dummy step."""
+        from spmd_engine.model.attention import AttentionMetadata
+        attn = AttentionMetadata.build([0], [1], [[0]], self.block_size, self.device)
+        attn.slot_mapping = None
+        first, last = self.pp_group.is_first_rank, self.pp_group.is_last_rank
+        intermediate = None if first else self.pp_group.recv_tensor_dict()
+        input_ids = torch.zeros(1, dtype=torch.long, device=self.device) if first else None
+        hidden = self.model.forward(input_ids, attn.positions, attn, intermediate)
+        if not last:
+            self.pp_group.send_tensor_dict(hidden)
+        self.stats["dummy_steps"] += 1
 
     def _prepare_inputs(self, out: SchedulerOutput):
         from spmd_engine.model.attention import AttentionMetadata

@@ -165,6 +165,8 @@ def generate_records(llm, prompts: list[PromptInput], params: SamplingParams, in
     share can be empty: fewer prompts than replicas). `sink.append(record)` gets each
     record as soon as its request finishes (the part file)."""
     if not indices:
+        if llm.runs_dp_waves:  # no prompts here, but the other replicas' steps need this one's
+            llm.generate([], params)
         return []
     from dataclasses import replace
 
@@ -242,6 +244,9 @@ def log_engine_stats(llm, first_replica: int = 0) -> None:
                     "prefix_hits_tokens=%d/%d prefill_tokens=%d kv_blocks=%d", first_replica + i, s["steps"],
                     s["preemptions"], s["peak_running"], s["prefix_hits_tokens"], s["prefix_queries_tokens"],
                     s["runner"]["prefill_tokens"], s["num_blocks"])
+        if s.get("dp_waves"):
+            logger.info("engine stats (replica %d): DP waves=%d wave_steps=%d dummy_steps=%d",
+                        first_replica + i, s["waves"], s["wave_steps"], s["dummy_steps"])
 
 
 def run_launched(args, prompts, params, todo: list[int], ident: dict | None) -> list[dict] | None:

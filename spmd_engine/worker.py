@@ -59,7 +59,7 @@ class Worker:
 
     def _init_groups(self) -> None:
         from spmd_engine.distributed import (
-            get_pp_group, get_tp_group, get_world_group, init_distributed_environment,
+            get_dp_group, get_pp_group, get_tp_group, get_world_group, init_distributed_environment,
             initialize_model_parallel,
         )
         pc = self.config.parallel_config
@@ -69,25 +69,32 @@ class Worker:
                                          timeout_s=self.config.timeout_s)
             initialize_model_parallel(pc)
         else:
-            # uni and mp: this replica is its own world of TP x PP x PCP ranks, which
-            # initialize_model_parallel lays out as one DP replica.
-            self._init_replica_world(backend)
+            # uni and mp: the engine's own world, laid out by initialize_model_parallel.
+            self._init_engine_world(backend)
             initialize_model_parallel(pc)
         self.world_group = get_world_group()
         self.tp_group = get_tp_group()
         self.pp_group = get_pp_group()
+        self.dp_group = get_dp_group()
         self.moe_groups = self._moe_groups()
 
     def _moe_groups(self) -> dict:
         """How MoE layers shard their experts (a dense model ignores it): over the TP group by
         width, or with expert parallelism whole experts over the EP group, tokens gathered over
         the DP group (moe.py)."""
-        from spmd_engine.distributed import get_dp_group, get_ep_group
+        from spmd_engine.distributed import get_ep_group
         if not self.config.parallel_config.enable_expert_parallel:
             return {"moe_group": self.tp_group, "expert_parallel": False}
-        return {"moe_group": get_ep_group(), "expert_parallel": True, "dispatch_group": get_dp_group()}
+        return {"moe_group": get_ep_group(), "expert_parallel": True, "dispatch_group": self.dp_group}
 
-    def _init_replica_world(self, backend: str) -> None:
+    def _init_engine_world(self, backend: str) -> None:
+        """Join the torch world of engine-spawned workers.
+
+        DP = 1: this replica's TP x PP x PCP workers, meeting at their executor's store.
+        DP > 1: every replica's workers in one world of world_size_across_dp ranks (vLLM's
+        layout), meeting at the store the front end hosts; `self.rank` is the global rank
+        dp * world_size + local rank, so the DP and EP groups are the ones `plan` prints.
+        """
         import datetime
 
         import torch.distributed as dist
@@ -95,13 +102,19 @@ class Worker:
         from spmd_engine.distributed import init_distributed_environment
         pc = self.config.parallel_config
         timeout = datetime.timedelta(seconds=self.config.timeout_s)
-        if pc.world_size == 1 and self.distributed_init_method is None:
+        world = pc.world_size_across_dp if pc.spans_dp_world else pc.world_size
+        if pc.spans_dp_world:
+            if not pc.data_parallel_master_port:
+                raise RuntimeError("DP > 1 without a launcher needs the front end's rendezvous "
+                                   "(data_parallel_master_port is not set)")
+            store = dist.TCPStore(pc.data_parallel_master_ip, pc.data_parallel_master_port,
+                                  is_master=False, timeout=timeout)
+        elif world == 1 and self.distributed_init_method is None:
             store = dist.HashStore()
         else:
             host, port = self.distributed_init_method.removeprefix("tcp://").rsplit(":", 1)
             store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
-        dist.init_process_group(backend, store=store, rank=self.local_rank,
-                                world_size=pc.world_size, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=world, timeout=timeout)
         self._owns_default_group = True
         init_distributed_environment(backend=backend, timeout_s=self.config.timeout_s)
 
@@ -158,6 +171,17 @@ class Worker:
 
     def sample_tokens(self, grammar_output=None) -> ModelRunnerOutput | None:
         return self.model_runner.sample_tokens(grammar_output)
+
+    # -- DP waves (engine/dp_waves.py) --------------------------------------------------
+    @torch.inference_mode()  # the DP group's shared-memory buffers are made inside the forward's
+    def dp_any_unfinished(self, local_unfinished: bool) -> bool:
+        """Whether any DP replica still has work: a sum over this rank's DP group (its CPU
+        path). Every rank of a replica passes the same flag, so all DP groups agree."""
+        flag = torch.tensor([int(local_unfinished)], dtype=torch.int64)
+        return bool(self.dp_group.all_reduce(flag).item())
+
+    def execute_dummy_batch(self) -> None:
+        self.model_runner.execute_dummy_batch()
 
     def execute_and_sample(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
         """One message per step for an engine with steps in flight: run, then sample."""

@@ -1,7 +1,7 @@
 """`plan --live`: bring the groups up on a real launch and check them against the plan.
 
-The plan is pure arithmetic; this proves the launcher, the rendezvous and
-new_group agree with it. Each rank all-gathers the global ranks inside each of
+The plan is pure arithmetic; this proves the launcher (or the mp executor's
+one world across DP replicas), the rendezvous and new_group agree with it. Each rank all-gathers the global ranks inside each of
 its groups (membership and order) and all-reduces ones (size), compares both
 with topology's table, and every rank learns every verdict.
 """
@@ -14,6 +14,13 @@ import torch.distributed as dist
 from spmd_engine import topology
 from spmd_engine.config import ParallelConfig
 from spmd_engine.distributed import parallel_state as ps
+
+
+def check_groups() -> list[str]:
+    """This rank's mismatches between its groups and the plan (collective over every group:
+    every rank of the world calls it at once). Also run inside mp workers, whose one world
+    across DP replicas is not a launcher's."""
+    return _check_rank(ps.model_parallel_layout(), dist.get_rank())
 
 
 def _check_rank(layout: topology.Layout, rank: int) -> list[str]:

@@ -116,15 +116,11 @@ def init_distributed_environment(world_size: int = -1, rank: int = -1, local_ran
 def layout_for_world(parallel_config: ParallelConfig, launched_world: int) -> topology.Layout:
     """The grid of this torch world; the surplus over TP x PP x PCP x DP is external DP.
 
-    Engine-spawned workers (mp / uni) of one DP replica form their own torch
-    world, so when such a world holds exactly one replica it is laid out with
-    DP = 1; under a launcher the world must hold every DP replica.
+    Under a launcher the world must hold every DP replica; so must the one world
+    that engine-spawned workers (mp / uni) of all DP replicas join.
     """
     pc = parallel_config
     dp = pc.data_parallel_size
-    if (dp > 1 and launched_world == pc.world_size
-            and pc.distributed_executor_backend != "external_launcher"):
-        dp = 1
     try:
         return topology.Layout.for_world(
             launched_world, tp=pc.tensor_parallel_size, pp=pc.pipeline_parallel_size,

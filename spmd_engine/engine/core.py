@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Callable
+from typing import Callable, Iterator
 
 from spmd_engine import kv_sizing
 from spmd_engine.config import EngineConfig
@@ -42,6 +42,8 @@ class EngineCore:
         kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config, kv, eos_token_id)
         self.stop_strings = StopStringWatcher(config.model_config.model_dir)
+        self.dp_waves = config.dp_waves and config.parallel_config.data_parallel_size > 1
+        self.wave_stats = {"waves": 0, "wave_steps": 0, "dummy_steps": 0}
         self._batch_queue: deque = deque()  # (SchedulerOutput, its result) of steps in flight
         self._peak_in_flight = 0
 
@@ -58,8 +60,8 @@ class EngineCore:
 
     def step(self) -> list[Request]:
         """Schedule, run the model, sample (unless the first call already answered), update."""
-        if self.executor.max_concurrent_batches > 1:
-            return self._step_with_batch_queue()
+        if self.executor.max_concurrent_batches > 1 and not self.dp_waves:
+            return self._step_with_batch_queue()  # (a wave step is exactly one forward: no queue)
         scheduler_output = self.scheduler.schedule()
         self._peak_in_flight = max(self._peak_in_flight, 1)
         try:
@@ -100,6 +102,41 @@ class EngineCore:
                 stopped.append(request)
         return stopped
 
+    def run_steps(self) -> Iterator[list[Request]]:
+        """Step until this replica's requests have finished, yielding each step's finished ones.
+
+        With DP waves (engine/dp_waves.py), until no replica has work: every step first asks
+        the DP group whether any replica has (so every replica takes the same number of steps),
+        and a replica with none runs a dummy forward instead. Every replica must call this
+        together (each generate call, even with no requests of its own).
+        """
+        if not self.dp_waves:
+            while self.scheduler.has_unfinished():
+                yield self.step()
+            return
+        steps = 0
+        while self._any_replica_unfinished():
+            steps += 1
+            self.wave_stats["wave_steps"] += 1
+            if self.scheduler.has_unfinished():
+                yield self.step()
+            else:
+                self._dummy_step()
+        self.wave_stats["waves"] += steps > 0
+
+    def _any_replica_unfinished(self) -> bool:
+        try:
+            return self.executor.dp_any_unfinished(self.scheduler.has_unfinished())
+        except Exception as exc:
+            raise EngineDeadError(f"engine failed while checking the DP wave: {exc}") from exc
+
+    def _dummy_step(self) -> None:
+        try:
+            self.executor.execute_dummy_batch()
+        except Exception as exc:
+            raise EngineDeadError(f"engine failed while running a dummy step: {exc}") from exc
+        self.wave_stats["dummy_steps"] += 1
+
     def _step_with_batch_queue(self) -> list[Request]:
         """vLLM's batch queue: send steps until `max_concurrent_batches` are in flight or
         nothing else can run, then take the oldest step's result. Which steps are sent
@@ -129,8 +166,7 @@ class EngineCore:
         (and gets the finished requests themselves when it `wants_requests`, to stream them)."""
         finished = []
         with_requests = getattr(progress, "wants_requests", False)
-        while self.scheduler.has_unfinished():
-            done = self.step()
+        for done in self.run_steps():
             if done and progress is not None:
                 tokens = sum(len(r.output_token_ids) for r in done)
                 progress(len(done), tokens, done) if with_requests else progress(len(done), tokens)
@@ -159,10 +195,12 @@ class EngineCore:
         self.executor.collective_rpc("wake_up", (tags,))
 
     def get_stats(self) -> dict:
-        """Scheduler and block counters, plus the output rank's runner counters (`runner`)."""
+        """Scheduler and block counters, the output rank's runner counters (`runner`), and the DP
+        waves: whether this engine runs them, waves, steps in waves, dummy steps it ran idle."""
         runner = self.executor.collective_rpc("get_runner_stats",
                                               unique_reply_rank=self.executor.output_rank)[0]
-        return {**self.scheduler.get_stats(), "peak_in_flight": self._peak_in_flight, "runner": runner}
+        return {**self.scheduler.get_stats(), "peak_in_flight": self._peak_in_flight, "runner": runner,
+                "dp_waves": self.dp_waves, **self.wave_stats}
 
     def collective_rpc(self, method, args=(), kwargs=None, unique_reply_rank=None):
         return self.executor.collective_rpc(method, args, kwargs, unique_reply_rank)

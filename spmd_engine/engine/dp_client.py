@@ -1,7 +1,9 @@
 """DP > 1 without a launcher: one EngineCore_DP{i} process per replica.
 
 Each replica is a whole engine (scheduler, KV cache, executor and its own
-workers). The launching process splits the prompts over the replicas, and puts the results back in input order.
+workers), but all replicas' workers join one torch world of world_size_across_dp
+ranks, rank = dp * world_size + rank in the replica (vLLM's layout), at a store
+this process hosts: the DP and EP groups `plan` prints exist. The launching process splits the prompts over the replicas, and puts the results back in input order.
 
 Replicas stream each step's finished requests back as they finish. A replica
 that fails (an mp worker died, a worker raised) fails the whole `generate` at
@@ -12,6 +14,7 @@ requests that had finished before, from every replica (`exc.partial`).
 
 from __future__ import annotations
 
+import datetime
 import logging
 import multiprocessing as mp
 import os
@@ -38,9 +41,15 @@ class DPEngineClient:
         self.procs: list[mp.Process] = []
         self.conns = []
         self.failed: str | None = None
+        # Every replica's workers join one torch world (vLLM's layout), meeting at this store, on
+        # a port the OS picks; it lives as long as the replicas do.
+        import torch.distributed as dist
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=config.timeout_s))
         for dp_rank in range(dp_size):
             pc = replace(config.parallel_config, data_parallel_rank=dp_rank, data_parallel_rank_local=dp_rank,
-                         distributed_executor_backend=config.parallel_config.distributed_executor_backend)
+                         distributed_executor_backend=config.parallel_config.distributed_executor_backend,
+                         data_parallel_master_ip="127.0.0.1", data_parallel_master_port=self._store.port)
             replica_config = replace(config, parallel_config=pc)
             parent, child = ctx.Pipe()
             name = topology.engine_core_name(dp_rank, dp_size)
@@ -156,6 +165,7 @@ class DPEngineClient:
         for conn in self.conns:
             conn.close()
         self.procs, self.conns = [], []
+        self._store = None  # the rendezvous TCPStore closes when dropped
 
 
 def run_engine_core(config, executor_class, max_model_len, eos, name, conn, parent_pid,
@@ -185,8 +195,7 @@ def run_engine_core(config, executor_class, max_model_len, eos, name, conn, pare
                 if kind == "generate":
                     for request in payload:
                         core.add_request(request)
-                    while core.has_unfinished_requests():
-                        done = core.step()
+                    for done in core.run_steps():  # with DP waves, until no replica has work
                         if done:  # streamed: the front end keeps them even if a later step fails
                             conn.send(("finished", done))
                     conn.send(("ok", None))

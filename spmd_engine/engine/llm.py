@@ -20,6 +20,7 @@ from spmd_engine.config import (
     SchedulerConfig,
 )
 from spmd_engine.engine.core import EngineDeadError, ProgressCallback
+from spmd_engine.engine.dp_waves import needs_dp_coordinator
 from spmd_engine.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from spmd_engine.engine.request import Request
 from spmd_engine.engine.vllm_args import accept_vllm_kwargs
@@ -90,6 +91,7 @@ class LLM:
         self.config = EngineConfig(
             model_config=model_config, parallel_config=parallel, scheduler_config=scheduler,
             cache_config=cache, seed=seed, device=device or _default_device(), timeout_s=timeout_s,
+            dp_waves=needs_dp_coordinator(parallel, self.hf_config),
         )
         check_kv_budget_up_front(self.config, self.hf_config, spec)
         self.model_spec = spec
@@ -137,7 +139,10 @@ class LLM:
             self._weights_discarded = False
         stream = self._seed_stream.getstate()
         try:  # a refused call draws nothing, so every rank's stream stays where the others' are
-            groups = self._make_requests(prompts, sampling_params)
+            if self.runs_dp_waves and not _has_prompts(prompts):
+                groups = []  # an idle replica still steps with the others until the wave ends
+            else:
+                groups = self._make_requests(prompts, sampling_params)
             requests = [r for group in groups for r in group]
             if self.config.parallel_config.distributed_executor_backend == "external_launcher":
                 self._check_same_inputs_across_replica(requests)
@@ -156,6 +161,13 @@ class LLM:
                                    if all(r.request_id in done for r in group) else None for group in groups]
             raise
         return [_to_output([finished[r.request_id] for r in group], self.inputs) for group in groups]
+
+    @property
+    def runs_dp_waves(self) -> bool:
+        """The DP replicas step in lockstep (a mixture of experts under DP: engine/dp_waves.py).
+        Under external_launcher every replica must then call generate the same number of
+        times, a replica without prompts with an empty list."""
+        return self.config.dp_waves
 
     def _engine_generate(self, requests: list[Request], progress: ProgressCallback | None) -> list[Request]:
         if hasattr(self._engine, "generate"):
@@ -461,3 +473,7 @@ def _completion(index: int, request: Request, inputs) -> CompletionOutput:
         cumulative = sum(step[token].logprob for step, token in zip(logprobs, request.output_token_ids))
     return CompletionOutput(index, text, list(request.output_token_ids), request.finish_reason, logprobs,
                             cumulative, request.stop_reason)
+
+
+def _has_prompts(prompts) -> bool:
+    return isinstance(prompts, str) or bool(prompts)

@@ -94,6 +94,14 @@ class Executor(ABC):
         return self.collective_rpc("sample_tokens", (grammar_output,),
                                    unique_reply_rank=self.output_rank)[0]
 
+    def dp_any_unfinished(self, local_unfinished: bool) -> bool:
+        """DP waves: all-reduced over the DP group by the workers (the group plan prints)."""
+        return self.collective_rpc("dp_any_unfinished", (local_unfinished,),
+                                   unique_reply_rank=self.output_rank)[0]
+
+    def execute_dummy_batch(self) -> None:
+        self.collective_rpc("execute_dummy_batch", unique_reply_rank=self.output_rank)
+
     @property
     def max_concurrent_batches(self) -> int:
         """Steps the engine may have in flight at once (vLLM's batch queue): 1 unless the

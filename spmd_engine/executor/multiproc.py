@@ -44,20 +44,26 @@ class MultiprocExecutor(Executor):
         self.rpc_broadcast_mq = None
         self._in_flight = self._sent_steps = self._read_steps = 0  # steps sent, not yet read
         timeout = self.config.timeout_s
-        # The workers' rendezvous store lives here, on a port the OS picks: no race, no fixed port.
-        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                    timeout=datetime.timedelta(seconds=timeout))
-        init_method = f"tcp://127.0.0.1:{self._store.port}"
+        # DP = 1: the workers' rendezvous store lives here, on a port the OS picks (no race, no
+        # fixed port). DP > 1: every replica's workers join one world at the front end's store.
+        self._store = None
+        init_method = None
+        if not pc.spans_dp_world:
+            self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                        timeout=datetime.timedelta(seconds=timeout))
+            init_method = f"tcp://127.0.0.1:{self._store.port}"
         dp_rank = pc.data_parallel_rank
         try:
             self.rpc_broadcast_mq = MessageQueue.create(self.world_size, label=f"rpc_dp{dp_rank}")
             layout = topology.Layout(tp=tp, pp=pp, pcp=pcp, dp=pc.data_parallel_size)
             for local_rank in range(self.world_size):
-                coord = topology.rank_to_coord(layout, dp_rank * self.world_size + local_rank)
+                rank = dp_rank * self.world_size + local_rank  # the global rank formula
+                coord = topology.rank_to_coord(layout, rank)
                 response_mq = MessageQueue.create(1, reader_index=0, label=f"resp_dp{dp_rank}_r{local_rank}")
                 self.response_mqs.append(response_mq)
                 self.workers.append(start_worker(
-                    self.config, local_rank, init_method, pc.data_parallel_rank_local or 0,
+                    self.config, local_rank, rank if pc.spans_dp_world else local_rank, init_method,
+                    pc.data_parallel_rank_local or 0,
                     self.rpc_broadcast_mq.handle(), response_mq.handle(),
                     topology.worker_name(layout, coord)))
             self._wait_ready(timeout)

@@ -37,8 +37,9 @@ class UniProcExecutor(Executor):
                 "engine in this process can only share it, with distributed_executor_backend="
                 "'external_launcher' (one replica per TP x PP ranks of that world)"
             )
-        return Worker(self.config, local_rank=0, rank=0,
-                      dp_local_rank=self.parallel_config.data_parallel_rank_local or 0)
+        pc = self.parallel_config  # with DP > 1 this replica's rank in the one world across DP
+        return Worker(self.config, local_rank=0, rank=pc.data_parallel_rank if pc.spans_dp_world else 0,
+                      dp_local_rank=pc.data_parallel_rank_local or 0)
 
     def collective_rpc(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None,
                        unique_reply_rank: int | None = None, timeout: float | None = None) -> list[Any]:

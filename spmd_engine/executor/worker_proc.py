@@ -46,14 +46,14 @@ class WorkerHandle:
         self.ready_conn.close()
 
 
-def start_worker(config, local_rank: int, init_method: str, dp_local_rank: int,
+def start_worker(config, local_rank: int, rank: int, init_method: str | None, dp_local_rank: int,
                  rpc_handle: MessageQueueHandle, response_handle: MessageQueueHandle, name: str) -> WorkerHandle:
     from spmd_engine.proc_util import created_from_main_thread, mp_context
     ctx = mp_context()
     reader, writer = ctx.Pipe(duplex=False)
     log_level = logging.getLogger("spmd_engine").getEffectiveLevel()
     proc = ctx.Process(target=worker_main, name=name, daemon=True,
-                       args=(config, local_rank, init_method, dp_local_rank, rpc_handle,
+                       args=(config, local_rank, rank, init_method, dp_local_rank, rpc_handle,
                              response_handle, writer, os.getpid(), name, log_level,
                              created_from_main_thread()))
     proc.start()
@@ -87,7 +87,7 @@ def _share_cores(config, first_on_host: bool) -> None:
             os.environ["OMP_NUM_THREADS"], per_host, threads, threads * per_host, cores)
 
 
-def worker_main(config, local_rank, init_method, dp_local_rank, rpc_handle, response_handle,
+def worker_main(config, local_rank, rank, init_method, dp_local_rank, rpc_handle, response_handle,
                 ready_conn, parent_pid, name, log_level=logging.WARNING,
                 parent_main_thread: bool = False) -> None:
     from spmd_engine.executor.abstract import loads_method, run_method
@@ -101,7 +101,7 @@ def worker_main(config, local_rank, init_method, dp_local_rank, rpc_handle, resp
     response = MessageQueue.attach_writer(response_handle)
     worker = None
     try:
-        worker = Worker(config, local_rank=local_rank, rank=local_rank, distributed_init_method=init_method,
+        worker = Worker(config, local_rank=local_rank, rank=rank, distributed_init_method=init_method,
                         dp_local_rank=dp_local_rank)
         worker.init_device()
         worker.load_model()

@@ -61,7 +61,7 @@ class AttentionMetadata:
     is a view, with no gather or scatter.
     """
 
-    slot_mapping: torch.Tensor  # [N] cache slot of each new token
+    slot_mapping: torch.Tensor | None  # [N] cache slot of each new token; None: write nothing
     groups: list[RowGroup]
     num_tokens: int
     positions: torch.Tensor  # [N] position of each new token in its sequence
@@ -179,8 +179,9 @@ class Attention(nn.Module):
         if self.k_cache is None:
             raise RuntimeError("KV cache not allocated: the model runner allocates it before the first step")
         D = self.head_dim
-        self.k_cache.view(-1, self.num_kv_heads, D).index_copy_(0, attn.slot_mapping, k)
-        self.v_cache.view(-1, self.num_kv_heads, D).index_copy_(0, attn.slot_mapping, v)
+        if attn.slot_mapping is not None:  # None: a dummy step (DP waves) writes nothing
+            self.k_cache.view(-1, self.num_kv_heads, D).index_copy_(0, attn.slot_mapping, k)
+            self.v_cache.view(-1, self.num_kv_heads, D).index_copy_(0, attn.slot_mapping, v)
         outs = [self._attend(q[g.start:g.end], k[g.start:g.end], v[g.start:g.end], g) for g in attn.groups]
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out.reshape(attn.num_tokens, self.num_heads * D)

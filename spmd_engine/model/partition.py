@@ -69,9 +69,9 @@ def _check_experts(spec: ModelSpec, tp: int, ep_size: int | None) -> None:
 def expert_parallel_size(parallel_config, spec: ModelSpec | None = None) -> int | None:
     """The EP group's size (DP x PCP x TP, as the topology builds it), or None when EP is off.
 
-    With `spec`: EP asked for a dense model warns once and counts as off (as vLLM),
-    and EP across DP replicas is refused until DP waves keep the replicas' MoE
-    collectives in step.
+    With `spec`: EP asked for a dense model warns once and counts as off (as vLLM).
+    Across DP replicas the EP group spans them; DP waves keep their MoE collectives
+    in step (engine/dp_waves.py).
     """
     pc = parallel_config
     if not pc.enable_expert_parallel:
@@ -80,9 +80,6 @@ def expert_parallel_size(parallel_config, spec: ModelSpec | None = None) -> int 
         logging.getLogger("spmd_engine").warning(
             "enable_expert_parallel has no effect: %s is not a mixture-of-experts model", spec.architecture)
         return None
-    if spec is not None and pc.data_parallel_size > 1:
-        raise ConfigError(f"enable_expert_parallel with data_parallel_size {pc.data_parallel_size} needs DP "
-                          f"waves (replicas in lockstep), which are not implemented yet; use DP = 1")
     return pc.data_parallel_size * pc.prefill_context_parallel_size * pc.tensor_parallel_size
 
 
