@@ -18,7 +18,7 @@ if __name__ == "__main__":
     out_dir, model, tp, jobs = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
     extra = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
     with LLM(model=model, tensor_parallel_size=tp, data_parallel_size=2,
-             distributed_executor_backend="external_launcher", **extra) as llm:
+             distributed_executor_backend="external_launcher", seed=0, **extra) as llm:
         replica = llm.replica_index
         share = jobs[replica::2]
         tokens = []
