@@ -61,6 +61,15 @@ CASES = [(name, {}) for name in CONFIGS] + [
 ]
 
 
+def copy_with_config(src: Path, dst: Path, **changes) -> Path:
+    """A copy of checkpoint `src` whose config.json has `changes` applied (negative controls)."""
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config.update(changes)
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
 def prompts_for(vocab: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(vocab)
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (1, 5, 9, 17)]
@@ -150,11 +159,7 @@ def test_negative_controls_wrong_rope_and_wrong_token_are_caught(checkpoints, tm
     name = "llama-gqa4-llama3rope-vocab251"
     prompts = prompts_for(CONFIGS[name]["vocab_size"])[2:]  # 9 and 17 tokens: past original_max 16
     outputs = engine_outputs(checkpoints[name], prompts)
-    unscaled = tmp_path / "unscaled"
-    shutil.copytree(checkpoints[name], unscaled)
-    config = json.loads((unscaled / "config.json").read_text())
-    config["rope_scaling"] = None
-    (unscaled / "config.json").write_text(json.dumps(config))
+    unscaled = copy_with_config(checkpoints[name], tmp_path / "unscaled", rope_scaling=None)
     wrong_hf, right_hf = hf_model(unscaled), hf_model(checkpoints[name])
     for prompt, (tokens, logprobs) in zip(prompts, outputs, strict=True):
         assert not disagreements(prompt, tokens, logprobs, hf_logprobs(right_hf, prompt, tokens))

@@ -106,3 +106,28 @@ def test_mp_pp2_with_two_steps_in_flight_matches_uni(ckpt, params):
     assert stats["peak_in_flight"] == 2 and ref_stats["peak_in_flight"] == 1
     # Two half batches alternate: about twice the steps, each with half the requests.
     assert stats["steps"] >= 2 * ref_stats["steps"] - 1
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_death_with_two_steps_in_flight_fails_the_call_and_every_later_one(ckpt):
+    # Steps in flight hold replies nobody has read: after the death the executor must refuse
+    # every call (a later call would otherwise read a stale step reply as its own).
+    import os
+    import signal
+    import time
+
+    from spmd_engine.engine.core import EngineDeadError
+    with LLM(model=str(ckpt), max_model_len=32, seed=3, pipeline_parallel_size=2) as llm:
+        pids = llm.collective_rpc(lambda worker: os.getpid())
+        killed: dict = {}
+
+        def kill_last_stage(requests, tokens):
+            if "at" not in killed:
+                killed["at"] = time.monotonic()
+                os.kill(pids[1], signal.SIGKILL)
+        params = [SamplingParams(max_tokens=2 if i == 0 else 25, ignore_eos=True) for i in range(len(PROMPTS))]
+        with pytest.raises(EngineDeadError):
+            llm.generate(PROMPTS, params, progress=kill_last_stage)
+        assert time.monotonic() - killed["at"] < 10
+        with pytest.raises(EngineDeadError, match="Executor failed"):
+            llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2))

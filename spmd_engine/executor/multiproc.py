@@ -119,7 +119,9 @@ class MultiprocExecutor(Executor):
         to this call that nobody will read, so no later call may run on them. Every
         later call raises RuntimeError("Executor failed.") before enqueueing anything.
         """
-        if self._in_flight:
+        if self.is_failed:
+            raise RuntimeError("Executor failed.")
+        if self._in_flight:  # their replies would be read as this call's
             raise RuntimeError(f"collective_rpc while {self._in_flight} steps are in flight")
         timeout = self.config.timeout_s if timeout is None else timeout
         name = self._send(method, args, kwargs, unique_reply_rank, timeout)
