@@ -67,11 +67,11 @@ class Worker:
         if pc.distributed_executor_backend == "external_launcher":
             init_distributed_environment(local_rank=self.local_rank, backend=backend,
                                          timeout_s=self.config.timeout_s)
-            initialize_model_parallel(pc)
+            initialize_model_parallel(pc, moe_across_dp=self.config.dp_waves)
         else:
             # uni and mp: the engine's own world, laid out by initialize_model_parallel.
             self._init_engine_world(backend)
-            initialize_model_parallel(pc)
+            initialize_model_parallel(pc, moe_across_dp=self.config.dp_waves)
         self.world_group = get_world_group()
         self.tp_group = get_tp_group()
         self.pp_group = get_pp_group()
@@ -79,13 +79,17 @@ class Worker:
         self.moe_groups = self._moe_groups()
 
     def _moe_groups(self) -> dict:
-        """How MoE layers shard their experts (a dense model ignores it): over the TP group by
-        width, or with expert parallelism whole experts over the EP group, tokens gathered over
-        the DP group (moe.py)."""
+        """How MoE layers shard their experts (a dense model ignores it), as vLLM: with expert
+        parallelism whole experts over the EP group; without it each expert's width over TP,
+        or, when the replicas step together in DP waves (a MoE under DP), over the flattened
+        DP x TP ranks (the EP-shaped group). Across replicas tokens are gathered over the DP
+        group (moe.py)."""
         from spmd_engine.distributed import get_ep_group
-        if not self.config.parallel_config.enable_expert_parallel:
-            return {"moe_group": self.tp_group, "expert_parallel": False}
-        return {"moe_group": get_ep_group(), "expert_parallel": True, "dispatch_group": self.dp_group}
+        if self.config.parallel_config.enable_expert_parallel:
+            return {"moe_group": get_ep_group(), "expert_parallel": True, "dispatch_group": self.dp_group}
+        if self.config.dp_waves:
+            return {"moe_group": get_ep_group(), "expert_parallel": False, "dispatch_group": self.dp_group}
+        return {"moe_group": self.tp_group, "expert_parallel": False}
 
     def _init_engine_world(self, backend: str) -> None:
         """Join the torch world of engine-spawned workers.

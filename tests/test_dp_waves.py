@@ -111,11 +111,28 @@ def _torchrun(ckpt, out_dir, tp, jobs, extra=None) -> list[dict]:
     return results
 
 
+@pytest.mark.timeout(150)
+def test_mp_moe_dp2_without_ep_splits_each_expert_over_dp_x_tp(moe):
+    # vLLM's sharding without EP under DP: every expert's width over the flattened DP x TP
+    # ranks (the EP-shaped group), tokens gathered over DP; replicas step in waves.
+    jobs = [LONG, SHORT]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in jobs]
+    with LLM(model=str(moe), data_parallel_size=2, timeout_s=60) as llm:
+        assert llm.runs_dp_waves
+        tokens = [o.outputs[0].token_ids for o in llm.generate([ids for ids, _ in jobs], params)]
+        shards = llm.collective_rpc(lambda w: sorted({(m.width, m.width_start, m.group.world_size)
+                                                      for m in w.model_runner.model.modules()
+                                                      if type(m).__name__ == "FusedMoE"}))
+    assert tokens == [reference_greedy(moe, ids, n) for ids, n in jobs]
+    half = QWEN3_MOE["moe_intermediate_size"] // 2
+    assert shards == [[(half, 0, 2)], [(half, half, 2)]]  # replica 0's worker, then replica 1's
+
+
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("tp", [1, 2], ids=["dp2-ep", "tp2xdp2-ep"])
-def test_torchrun_moe_ep_uneven_prompts(moe, tmp_path, tp):
+@pytest.mark.parametrize("tp,extra", [(1, EP), (2, EP), (2, {})], ids=["dp2-ep", "tp2xdp2-ep", "tp2xdp2-no-ep"])
+def test_torchrun_moe_ep_uneven_prompts(moe, tmp_path, tp, extra):
     jobs = [LONG, SHORT, LONG]  # replica 0: two long; replica 1: one short
-    results = _torchrun(moe, tmp_path, tp, jobs, EP)
+    results = _torchrun(moe, tmp_path, tp, jobs, extra)
     expected = [reference_greedy(moe, ids, n) for ids, n in jobs]
     by_replica = {r["replica"]: r for r in results}
     assert by_replica[0]["tokens"] == expected[0::2] and by_replica[1]["tokens"] == expected[1::2]
@@ -175,3 +192,11 @@ def test_run_cli_under_torchrun_with_fewer_prompts_than_replicas(moe, tmp_path):
     records = [json.loads(line) for line in out.read_text().splitlines()]
     eos = json.loads((moe / "config.json").read_text()).get("eos_token_id")
     assert [r["token_ids"] for r in records] == [reference_greedy(moe, *LONG, eos=eos)]
+
+
+def test_moe_width_that_does_not_split_over_dp_x_tp_is_a_config_error(moe):
+    with pytest.raises(ConfigError, match=r"the 3 ranks of DP x TP .* must divide the expert intermediate size 32"):
+        LLM(model=str(moe), data_parallel_size=3)
+    LLM_ep = dict(data_parallel_size=3, enable_expert_parallel=True)  # EP: whole experts, 8 over 3 ranks
+    with pytest.raises(ConfigError, match="num_experts 8 of this model is not divisible by the expert parallel size 3"):
+        LLM(model=str(moe), **LLM_ep)

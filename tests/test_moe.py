@@ -295,7 +295,10 @@ def test_plan_shows_moe_traffic_and_experts_per_ep_rank(checkpoints, tmp_path):
     assert moe["experts_per_rank"] == {"0": [0, 1], "1": [2, 3], "2": [4, 5], "3": [6, 7]}
     assert [t["group"] for t in moe["traffic_per_sparse_layer"]] == ["dp", "ep"]
     text = plan("-tp", "2", "--model", model).stdout
-    assert "tp  all_reduce of expert outputs" in text and "expert width per TP rank: 16" in text
+    assert "tp  all_reduce of expert outputs" in text and "expert width per rank: 16" in text
+    no_ep = json.loads(plan("-tp", "2", "-dp", "2", "--model", model, "--json").stdout)["moe"]
+    assert no_ep["width_over_dp"] and [t["group"] for t in no_ep["traffic_per_sparse_layer"]] == ["dp", "ep"]
+    assert no_ep["expert_width_per_rank"] == 8  # 32 over DP 2 x TP 2
     three = plan("-tp", "2", "-dp", "3", "--enable-expert-parallel", "--model", str(checkpoints["mixtral-4x-top2"]))
     assert three.returncode == 2 and "num_experts 4" in three.stderr and "expert parallel size 6" in three.stderr
 

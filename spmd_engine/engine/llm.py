@@ -51,7 +51,8 @@ class LLM:
         external_launcher it must be given, the same on every rank of a replica (vLLM's rule).
         Other vLLM arguments are accepted and ignored, with one warning (see vllm_args)."""
         from spmd_engine.engine.input_processor import InputProcessor
-        from spmd_engine.model.partition import check_model_parallel, expert_parallel_size, parse_pp_partition
+        from spmd_engine.model.partition import (check_model_parallel, expert_parallel_size,
+                                                  moe_width_ranks_across_dp, parse_pp_partition)
         accept_vllm_kwargs(vllm_kwargs)
 
         parallel = ParallelConfig(
@@ -74,9 +75,11 @@ class LLM:
         spec = check_model_parallel(self.hf_config, parallel.tensor_parallel_size,
                                     parallel.pipeline_parallel_size, source=source)
         ep_size = expert_parallel_size(parallel, spec)
-        if ep_size is not None:
+        across_dp = moe_width_ranks_across_dp(parallel, spec) if ep_size is None else None
+        if ep_size is not None or across_dp is not None:
             check_model_parallel(self.hf_config, parallel.tensor_parallel_size,
-                                 parallel.pipeline_parallel_size, source=source, ep_size=ep_size)
+                                 parallel.pipeline_parallel_size, source=source, ep_size=ep_size,
+                                 expert_width_ranks=across_dp)
         partition = pp_partition or os.environ.get("SPMD_ENGINE_PP_PARTITION")
         if partition:
             parse_pp_partition(partition, spec.num_layers, parallel.pipeline_parallel_size)

@@ -23,11 +23,11 @@ PP_PARTITION_ENV = "SPMD_ENGINE_PP_PARTITION"
 
 
 def check_model_parallel(hf_config: Mapping[str, Any], tp: int, pp: int, source: str = "config.json",
-                         ep_size: int | None = None) -> ModelSpec:
+                         ep_size: int | None = None, expert_width_ranks: int | None = None) -> ModelSpec:
     """Raise ConfigError unless this model can be cut into TP x PP (and its experts over an
     expert-parallel group of `ep_size` ranks, when given); returns its spec."""
     spec = ModelSpec.from_hf_config(hf_config, source)
-    _check_experts(spec, tp, ep_size)
+    _check_experts(spec, tp, ep_size, expert_width_ranks or tp)
     if spec.num_heads % tp:
         raise ConfigError(
             f"tensor_parallel_size {tp} must divide num_attention_heads {spec.num_heads} of this model"
@@ -50,16 +50,19 @@ def check_model_parallel(hf_config: Mapping[str, Any], tp: int, pp: int, source:
     return spec
 
 
-def _check_experts(spec: ModelSpec, tp: int, ep_size: int | None) -> None:
-    """Experts split whole over the EP group, or each expert's width over TP."""
+def _check_experts(spec: ModelSpec, tp: int, ep_size: int | None, width_ranks: int) -> None:
+    """Experts split whole over the EP group, or each expert's width over `width_ranks`
+    (TP, or DP x TP when a MoE spans DP replicas without EP)."""
     moe = spec.moe
     if moe is None:
         return
     if ep_size is not None and moe.num_experts % ep_size:
         raise ConfigError(f"num_experts {moe.num_experts} of this model is not divisible by the expert "
                           f"parallel size {ep_size} (DP x PCP x TP)")
-    if ep_size is None and moe.expert_intermediate_size % tp:
-        raise ConfigError(f"tensor_parallel_size {tp} must divide the expert intermediate size "
+    if ep_size is None and moe.expert_intermediate_size % width_ranks:
+        over = f"tensor_parallel_size {tp}" if width_ranks == tp else \
+            f"the {width_ranks} ranks of DP x TP (each expert is split over them without expert parallelism)"
+        raise ConfigError(f"{over} must divide the expert intermediate size "
                           f"{moe.expert_intermediate_size} of this model")
     if moe.shared_expert_intermediate_size % tp:
         raise ConfigError(f"tensor_parallel_size {tp} must divide shared_expert_intermediate_size "
@@ -79,6 +82,16 @@ def expert_parallel_size(parallel_config, spec: ModelSpec | None = None) -> int 
     if spec is not None and spec.moe is None:
         logging.getLogger("spmd_engine").warning(
             "enable_expert_parallel has no effect: %s is not a mixture-of-experts model", spec.architecture)
+        return None
+    return pc.data_parallel_size * pc.prefill_context_parallel_size * pc.tensor_parallel_size
+
+
+def moe_width_ranks_across_dp(parallel_config, spec: ModelSpec) -> int | None:
+    """Without expert parallelism a MoE under DP > 1 splits each expert's width over the
+    flattened DP x PCP x TP ranks (vLLM's sharding; the replicas step in DP waves): that
+    count, or None when the experts stay within each replica (DP = 1, dense, or EP)."""
+    pc = parallel_config
+    if spec.moe is None or pc.enable_expert_parallel or pc.data_parallel_size == 1:
         return None
     return pc.data_parallel_size * pc.prefill_context_parallel_size * pc.tensor_parallel_size
 
