@@ -55,8 +55,11 @@ CONFIGS = {
 }
 TP2 = dict(tensor_parallel_size=2)
 TP2_EP = dict(tensor_parallel_size=2, enable_expert_parallel=True)
+DP2_EP = dict(data_parallel_size=2, enable_expert_parallel=True)  # mp: one world, DP waves, dispatch
 CASES = [(name, {}) for name in CONFIGS] + [
     ("mixtral-4x-top2", TP2), ("qwen2moe-shared-unnormalised-mlponly1", TP2_EP), ("qwen3-dense-qknorm", TP2),
+    ("qwen3moe-normtopk-step2-headdim32", DP2_EP), ("qwen2moe-shared-unnormalised-mlponly1", DP2_EP),
+    ("mixtral-4x-top2", dict(data_parallel_size=2)),  # no EP: each expert's width over DP x TP
 ]
 
 
