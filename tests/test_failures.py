@@ -221,20 +221,25 @@ def run_cli_launch(args, on_poll, timeout=100) -> Launch:
     return Launch([[PYTHON, "-m", "spmd_engine.run", *map(str, args)]], [base_env(tag)], tag, timeout, on_poll)
 
 
+def signal_a_worker_when_ready(signum: int, record: dict):
+    """An on_poll callback: once the engine is ready, send `signum` to the CLI's second mp
+    worker, recording its pid and when (`record["pid"]`, `record["at"]`)."""
+    def on_poll(launch):
+        if "pid" not in record and "engine ready" in launch.output_so_far():
+            workers = worker_pids(launch.procs[0].pid)
+            if len(workers) == 2:
+                record["pid"], record["at"] = workers[1], time.monotonic()
+                os.kill(workers[1], signum)
+    return on_poll
+
+
 @pytest.mark.timeout(120)
 def test_mp_worker_death_exits_1_and_names_the_worker(tmp_path):
     """README: a runtime failure exits 1; the log names the dead worker (rank, pid, signal)."""
     out = tmp_path / "out.jsonl"
     killed: dict = {}
-
-    def kill_a_worker_when_ready(launch):
-        if "pid" not in killed and "engine ready" in launch.output_so_far():
-            workers = worker_pids(launch.procs[0].pid)
-            if len(workers) == 2:
-                killed["pid"] = workers[1]
-                os.kill(workers[1], signal.SIGKILL)
-
-    launch = run_cli_launch(["-tp", 2, "--prompt", "Beautiful is", "--output", out], kill_a_worker_when_ready)
+    launch = run_cli_launch(["-tp", 2, "--prompt", "Beautiful is", "--output", out],
+                            signal_a_worker_when_ready(signal.SIGKILL, killed))
     assert "pid" in killed and not launch.timed_out and launch.returncode == 1, launch.describe()
     assert f"pid {killed['pid']}) died unexpectedly with signal SIGKILL" in launch.stderr, launch.describe()
     assert not launch.leftover_pids and not out.exists()
@@ -247,16 +252,9 @@ def test_timeout_flag_ends_an_mp_call_to_a_hung_worker(tmp_path):
     out = tmp_path / "out.jsonl"
     stopped: dict = {}
 
-    def stop_a_worker_when_ready(launch):
-        if "pid" not in stopped and "engine ready" in launch.output_so_far():
-            workers = worker_pids(launch.procs[0].pid)
-            if len(workers) == 2:
-                stopped["pid"], stopped["at"] = workers[1], time.monotonic()
-                os.kill(workers[1], signal.SIGSTOP)
-
     # 15 s: the timeout also bounds worker start-up, which takes several seconds on a loaded machine.
     launch = run_cli_launch(["-tp", 2, "--timeout", 15, "--prompt", "Beautiful is", "--output", out],
-                            stop_a_worker_when_ready, timeout=100)
+                            signal_a_worker_when_ready(signal.SIGSTOP, stopped), timeout=100)
     ended = time.monotonic()
     assert "pid" in stopped and not launch.timed_out and launch.returncode == 1, launch.describe()
     assert "timed out after 15s" in launch.stderr or "within 15s" in launch.stderr, launch.describe()
