@@ -59,15 +59,13 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[Request]:
-        """Schedule, run the model, sample (unless the first call already answered), update."""
+        """Schedule, run the model and sample (the executor's one step call), update."""
         if self.executor.max_concurrent_batches > 1 and not self.dp_waves:
             return self._step_with_batch_queue()  # (a wave step is exactly one forward: no queue)
         scheduler_output = self.scheduler.schedule()
         self._peak_in_flight = max(self._peak_in_flight, 1)
         try:
-            model_output = self.executor.execute_model(scheduler_output)
-            if model_output is None:
-                model_output = self.executor.sample_tokens(None)
+            model_output = self.executor.execute_model_async(scheduler_output)()  # sent, then read
         except Exception as exc:
             raise EngineDeadError(f"engine failed while running step {scheduler_output.step}: {exc}") from exc
         return self._update(scheduler_output, model_output)
