@@ -28,7 +28,9 @@ Figures
              tokens/s; 256 requests too (one rep each)
   pp         PP=2 mp, one thread per stage, two steps in flight (batch queue) vs uni with one
              thread, 32 requests, tokens/s; same output tokens asserted; plus the ceiling of
-             that design here: 2 x uni's tokens/s on half batches, over uni on the whole batch
+             that design here: 2 x uni's tokens/s on half batches, over uni on the whole batch.
+             Decode-bound (32-token prompts, 64 new tokens: the target) and prefill-bound
+             (256-token prompts computed every run, 8 new tokens, chunks of 512 tokens)
   startup    torchrun world 8 (TP2 PP2 DP2, bundled model): launch to first token of
              `spmd_engine.run`, and phases from scripts/bench_rank.py; group creation vs
              number of groups (worlds 2, 4, 8)
@@ -229,23 +231,30 @@ def weight_bytes_per_step(model_dir: str, itemsize: int) -> int:
     return (layer_params(s["num_layers"]) + h + v * h) * itemsize
 
 
-def step_matmul_seconds(llm, batch: int, reps: int = 20) -> float:
-    """One decode step's weight matmuls alone, as the model's own (packed) weights run them:
-    every layer's qkv, o, gate_up, down and the LM head on `batch` rows, nothing else.
-    The step as a whole can stream weights no faster than this."""
+def matmul_seconds(llm, rows: int, reps: int = 20) -> dict[str, float]:
+    """Seconds per call of each weight matmul of a uni engine's model (its own, packed,
+    weights) on `rows` rows, by module name, timed in model order with nothing else running."""
     import torch
     from spmd_engine.model.packed_weights import linear
     model = llm.llm_engine.model_executor.driver_worker.model_runner.model
-    weights = [m.weight for m in model.modules() if getattr(m, "packable_weight", False)]
-    inputs = {w.shape[1]: torch.randn(batch, w.shape[1]).to(w.dtype) for w in weights}
+    weights = {name: m.weight for name, m in model.named_modules() if getattr(m, "packable_weight", False)}
+    inputs = {w.shape[1]: torch.randn(rows, w.shape[1]).to(w.dtype) for w in weights.values()}
+    seconds = dict.fromkeys(weights, 0.0)
     with torch.inference_mode():
-        for w in weights:
+        for w in weights.values():
             linear(inputs[w.shape[1]], w)
-        t = time.perf_counter()
         for _ in range(reps):
-            for w in weights:
+            for name, w in weights.items():
+                t = time.perf_counter()
                 linear(inputs[w.shape[1]], w)
-    return (time.perf_counter() - t) / reps
+                seconds[name] += time.perf_counter() - t
+    return {name: t / reps for name, t in seconds.items()}
+
+
+def step_matmul_seconds(llm, batch: int) -> float:
+    """One decode step's weight matmuls alone: every layer's qkv, o, gate_up, down and the LM
+    head on `batch` rows, nothing else. The step as a whole can stream weights no faster."""
+    return sum(matmul_seconds(llm, batch).values())
 
 
 def fig_decode(args) -> None:
@@ -466,13 +475,22 @@ def fig_tp(args, tp: int = 2) -> None:
          prompt=plen, new_tokens=new, dtype="float32", loadavg_1m=loadavg())
 
 
-def balanced_pp_partition() -> str:
-    """Layers on stage 0 vs stage 1 that make the stages' weight bytes closest (LM head on the last)."""
-    s = LLAMA_SHAPE
-    layer = layer_params(1)
-    head = s["vocab_size"] * s["hidden_size"]
-    first = min(range(1, s["num_layers"]), key=lambda k: max(k * layer, (s["num_layers"] - k) * layer + head))
-    return f"{first},{s['num_layers'] - first}"
+def timed_pp_partition(llm, rows: int) -> str:
+    """Layers on stage 0 vs stage 1 that make the two stages' matmul time closest, the LM head
+    on the last, from the uni engine's own matmuls timed at `rows` rows. (Weight bytes are not
+    the cost: at 16 rows the head's one big matrix streams faster than a layer's four small
+    ones; by bytes the head is 5.4 layers, by time about 3.)"""
+    seconds = matmul_seconds(llm, rows)
+    head = sum(t for name, t in seconds.items() if not name.startswith("model.layers."))
+    per_layer = {}
+    for name, t in seconds.items():
+        if name.startswith("model.layers."):
+            layer = int(name.split(".")[2])
+            per_layer[layer] = per_layer.get(layer, 0.0) + t
+    layer = statistics.median(per_layer.values())
+    n = len(per_layer)
+    first = min(range(1, n), key=lambda k: max(k * layer, (n - k) * layer + head))
+    return f"{first},{n - first}"
 
 
 def layer_params(layers: int) -> int:
@@ -483,37 +501,39 @@ def layer_params(layers: int) -> int:
     return layers * (h * (s["num_heads"] + 2 * s["num_kv_heads"]) * d + s["num_heads"] * d * h + 3 * h * i + 2 * h)
 
 
-def fig_pp(args) -> None:
-    """Issue 17's PP overlap: each stage idles half the time without steps in flight (~1x)."""
+def pp_vs_uni(args, prompts, new: int, fresh_prefill: bool, partition: str | None, **engine_kw):
+    """PP=2 mp (one thread per stage, layers split by `partition`, or by timed_pp_partition
+    when None) and uni (one thread) on the same requests, interleaved reps: ({"pp", "uni",
+    "uni_halves"} tokens/s lists, peak steps in flight, partition). Asserts both give the same
+    tokens. `fresh_prefill` empties the prefix cache before every run, so each run computes
+    its prompts."""
     import torch
     from spmd_engine import LLM, SamplingParams
-    model_dir = random_llama(args)
-    batch, plen, new = 32, 32, (16 if args.quick else 64)
-    prompts = prompts_for(batch, plen, LLAMA_SHAPE["vocab_size"])
-    kw = dict(model=model_dir, dtype="float32", max_model_len=plen + new + 8)
-    # The last stage also streams the LM head (as many bytes as 5 of these layers): an even
-    # split of layers leaves stage 0 idle part of every step, so balance weight bytes instead
-    # (SPMD_ENGINE_PP_PARTITION, as vLLM's VLLM_PP_LAYER_PARTITION).
-    partition = balanced_pp_partition()
     threads, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
     torch.set_num_threads(1)
     os.environ["OMP_NUM_THREADS"] = "1"  # one thread per stage (an explicit value wins)
+
+    def timed(llm, some):
+        if fresh_prefill:
+            llm.reset_prefix_cache()
+        return time_engine(llm, some, new)
     try:
-        uni = LLM(distributed_executor_backend="uni", **kw)
+        uni = LLM(distributed_executor_backend="uni", **engine_kw)
+        partition = partition or timed_pp_partition(uni, len(prompts) // 2)
         os.environ["SPMD_ENGINE_PP_PARTITION"] = partition  # read by the spawned workers
-        par = LLM(pipeline_parallel_size=2, distributed_executor_backend="mp", **kw)
+        par = LLM(pipeline_parallel_size=2, distributed_executor_backend="mp", **engine_kw)
         try:
             same = SamplingParams(max_tokens=8, ignore_eos=True)
             assert [o.outputs[0].token_ids for o in uni.generate(prompts, same)] == \
                 [o.outputs[0].token_ids for o in par.generate(prompts, same)], "PP=2 changed the output"
-            u, p, halves = [], [], []
+            runs = {"pp": [], "uni": [], "uni_halves": []}
+            half = len(prompts) // 2
             for _ in range(args.reps):
-                p.append(time_engine(par, prompts, new))
-                u.append(time_engine(uni, prompts, new))
+                runs["pp"].append(timed(par, prompts))
+                runs["uni"].append(timed(uni, prompts))
                 # The batch queue gives each step half the requests: uni on those halves, one
                 # after the other, is what each stage's share costs without overlap.
-                half = len(prompts) // 2
-                halves.append(2 / (1 / time_engine(uni, prompts[:half], new) + 1 / time_engine(uni, prompts[half:], new)))
+                runs["uni_halves"].append(2 / (1 / timed(uni, prompts[:half]) + 1 / timed(uni, prompts[half:])))
             in_flight = par.get_stats()[0]["peak_in_flight"]
         finally:
             par.shutdown()
@@ -525,17 +545,35 @@ def fig_pp(args) -> None:
             os.environ.pop("OMP_NUM_THREADS", None)
         else:
             os.environ["OMP_NUM_THREADS"] = omp
-    v, b = statistics.median(p), statistics.median(u)
-    emit("pp2_overlap_vs_uni_tokens_per_s", v, b, v / b, "tokens/s", ratio_is="value/baseline; target >= 1.6",
-         cores=len(os.sched_getaffinity(0)), threads_per_stage=1, uni_threads=1, peak_steps_in_flight=in_flight,
-         pp_partition=partition,
-         batch=batch, prompt=plen, new_tokens=new, dtype="float32", loadavg_1m=loadavg())
-    h = statistics.median(halves)
-    emit("pp2_overlap_ceiling_half_batches", 2 * h, b, 2 * h / b, "tokens/s",
-         ratio_is="value/baseline: two stages each as fast as uni on a half batch, perfectly overlapped "
-                  "(2 x uni tokens/s at batch/2), over uni at the whole batch: the most PP=2 with two "
-                  "half-batch steps in flight can reach here, with no transfer or scheduling cost",
-         uni_half_batch_tokens_per_s=round(h, 1), batch=batch, threads=1, dtype="float32")
+    return runs, in_flight, partition
+
+
+def fig_pp(args) -> None:
+    """Issue 17's PP overlap (each stage idles half the time without steps in flight, ~1x), on a
+    decode-bound batch (the target) and a prefill-bound one, each beside its half-batch ceiling."""
+    batch = 32
+    # In decode the last stage also runs the LM head on every row: an even split of layers
+    # leaves stage 0 idle part of every step, so balance the stages' timed matmuls
+    # (SPMD_ENGINE_PP_PARTITION, as vLLM's VLLM_PP_LAYER_PARTITION). In prefill the head runs
+    # on one row per prompt: the layers are the work, and the default even split balances them.
+    layers = LLAMA_SHAPE["num_layers"]
+    cases = [("", 32, 16 if args.quick else 64, False, None, {}),
+             ("_prefill", 256, 8, True, f"{layers // 2},{layers - layers // 2}", {"max_num_batched_tokens": 512})]
+    for suffix, plen, new, fresh, partition, extra in cases:
+        prompts = prompts_for(batch, plen, LLAMA_SHAPE["vocab_size"])
+        runs, in_flight, partition = pp_vs_uni(args, prompts, new, fresh, partition, model=random_llama(args),
+                                               dtype="float32", max_model_len=plen + new + 8, **extra)
+        v, b, h = (statistics.median(runs[k]) for k in ("pp", "uni", "uni_halves"))
+        common = dict(batch=batch, prompt=plen, new_tokens=new, dtype="float32", prefix_cache_emptied=fresh,
+                      cores=len(os.sched_getaffinity(0)), threads_per_stage=1, uni_threads=1, **extra)
+        emit(f"pp2_overlap{suffix}_vs_uni_tokens_per_s", v, b, v / b, "tokens/s",
+             ratio_is="value/baseline" + ("; target >= 1.6" if not suffix else ""),
+             peak_steps_in_flight=in_flight, pp_partition=partition, loadavg_1m=loadavg(), **common)
+        emit(f"pp2_overlap{suffix}_ceiling_half_batches", 2 * h, b, 2 * h / b, "tokens/s",
+             ratio_is="value/baseline: two stages each as fast as uni on a half batch, perfectly overlapped "
+                      "(2 x uni tokens/s at batch/2), over uni at the whole batch: the most PP=2 with two "
+                      "half-batch steps in flight can reach here, with no transfer or scheduling cost",
+             uni_half_batch_tokens_per_s=round(h, 1), **common)
 
 
 def mixed_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
