@@ -280,7 +280,7 @@ def fig_decode(args) -> None:
             ours.append(time_engine(llm, prompts, new))
             if compare:
                 theirs.append(ref(prompts, new))
-            bws.append(read_bandwidth(256 if args.quick else 512))
+            bws.append(read_bandwidth())
             matmuls.append(step_matmul_seconds(llm, batch))
         llm.shutdown()
         v = statistics.median(ours)
@@ -358,7 +358,8 @@ def fig_capacity(args) -> None:
 def fig_prefix(args) -> None:
     from spmd_engine import LLM
     model_dir = random_llama(args)
-    prompts = [p for p in prompts_for(8, 512, LLAMA_SHAPE["vocab_size"]) for _ in range(8)]
+    distinct, copies = (2, 4) if args.quick else (8, 8)  # quick: a smoke run's size
+    prompts = [p for p in prompts_for(distinct, 512, LLAMA_SHAPE["vocab_size"]) for _ in range(copies)]
     new = 16
     kw = dict(model=model_dir, max_model_len=1024, distributed_executor_backend="uni")
     stats = {}
@@ -380,7 +381,8 @@ def fig_prefix(args) -> None:
         b.append(run(False))
     emit("prefix_cache_shared_prompts_tokens_per_s", statistics.median(v), statistics.median(b),
          statistics.median(v) / statistics.median(b), "tokens/s",
-         ratio_is="value/baseline: prefix caching on vs off; target >= 3", prompts="8 x 512 tokens, 8 copies each",
+         ratio_is="value/baseline: prefix caching on vs off; target >= 3",
+         prompts=f"{distinct} x 512 tokens, {copies} copies each",
          new_tokens=new, dtype="float32", prefix_hits_tokens=stats["prefix_hits_tokens"],
          prefix_queries_tokens=stats["prefix_queries_tokens"], loadavg_1m=loadavg())
 
@@ -390,14 +392,14 @@ def worst_decode_gap(llm, long_prompt: int, decodes: int = 7) -> tuple[float, in
     steps from the long prompt's arrival to its first token; and the steps that took."""
     from spmd_engine import SamplingParams
     engine = llm._engine
-    short = llm._make_requests(prompts_for(decodes, 32, LLAMA_SHAPE["vocab_size"]),
-                               SamplingParams(max_tokens=4096, ignore_eos=True))
+    short = [r for (r,) in llm._make_requests(prompts_for(decodes, 32, LLAMA_SHAPE["vocab_size"]),
+                                              SamplingParams(max_tokens=4096, ignore_eos=True))]
     for r in short:
         engine.add_request(r)
     for _ in range(4):  # every short request is decoding
         engine.step()
-    (long,) = llm._make_requests([prompts_for(1, long_prompt, LLAMA_SHAPE["vocab_size"])[0]],
-                                 SamplingParams(max_tokens=1, ignore_eos=True))
+    ((long,),) = llm._make_requests([prompts_for(1, long_prompt, LLAMA_SHAPE["vocab_size"])[0]],
+                                    SamplingParams(max_tokens=1, ignore_eos=True))
     engine.add_request(long)
     last = {r.request_id: (time.perf_counter(), len(r.output_token_ids)) for r in short}
     worst, steps = 0.0, 0
@@ -558,7 +560,8 @@ def fig_pp(args) -> None:
     # on one row per prompt: the layers are the work, and the default even split balances them.
     layers = LLAMA_SHAPE["num_layers"]
     cases = [("", 32, 16 if args.quick else 64, False, None, {}),
-             ("_prefill", 256, 8, True, f"{layers // 2},{layers - layers // 2}", {"max_num_batched_tokens": 512})]
+             ("_prefill", 64 if args.quick else 256, 8, True, f"{layers // 2},{layers - layers // 2}",
+              {"max_num_batched_tokens": 512})]
     for suffix, plen, new, fresh, partition, extra in cases:
         prompts = prompts_for(batch, plen, LLAMA_SHAPE["vocab_size"])
         runs, in_flight, partition = pp_vs_uni(args, prompts, new, fresh, partition, model=random_llama(args),
