@@ -506,11 +506,14 @@ def layer_params(layers: int) -> int:
 def pp_vs_uni(args, prompts, new: int, fresh_prefill: bool, partition: str | None, **engine_kw):
     """PP=2 mp (one thread per stage, layers split by `partition`, or by timed_pp_partition
     when None) and uni (one thread) on the same requests, interleaved reps: ({"pp", "uni",
-    "uni_halves"} tokens/s lists, peak steps in flight, partition). Asserts both give the same
-    tokens. `fresh_prefill` empties the prefix cache before every run, so each run computes
-    its prompts."""
+    "uni_halves", "pp_gloo"} tokens/s lists, peak steps in flight, partition, whether the
+    stages' hand-off went through shared memory). "pp_gloo" is the same PP engine with the
+    hand-off on gloo (SPMD_ENGINE_DISABLE_SHM_HANDOFF). Asserts all give the same tokens.
+    `fresh_prefill` empties the prefix cache before every run, so each run computes its
+    prompts."""
     import torch
     from spmd_engine import LLM, SamplingParams
+    from spmd_engine.distributed.shm_handoff import DISABLE_ENV as DISABLE_HANDOFF
     threads, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
     torch.set_num_threads(1)
     os.environ["OMP_NUM_THREADS"] = "1"  # one thread per stage (an explicit value wins)
@@ -524,14 +527,23 @@ def pp_vs_uni(args, prompts, new: int, fresh_prefill: bool, partition: str | Non
         partition = partition or timed_pp_partition(uni, len(prompts) // 2)
         os.environ["SPMD_ENGINE_PP_PARTITION"] = partition  # read by the spawned workers
         par = LLM(pipeline_parallel_size=2, distributed_executor_backend="mp", **engine_kw)
+        os.environ[DISABLE_HANDOFF] = "1"
+        try:
+            par_gloo = LLM(pipeline_parallel_size=2, distributed_executor_backend="mp", **engine_kw)
+        finally:
+            os.environ.pop(DISABLE_HANDOFF)
         try:
             same = SamplingParams(max_tokens=8, ignore_eos=True)
-            assert [o.outputs[0].token_ids for o in uni.generate(prompts, same)] == \
-                [o.outputs[0].token_ids for o in par.generate(prompts, same)], "PP=2 changed the output"
-            runs = {"pp": [], "uni": [], "uni_halves": []}
+            want = [o.outputs[0].token_ids for o in uni.generate(prompts, same)]
+            for engine in (par, par_gloo):
+                assert [o.outputs[0].token_ids for o in engine.generate(prompts, same)] == want, "PP changed the output"
+            shared = par.collective_rpc(lambda w: w.model_runner.pp_group.uses_shared_handoff)
+            assert not any(par_gloo.collective_rpc(lambda w: w.model_runner.pp_group.uses_shared_handoff))
+            runs = {"pp": [], "uni": [], "uni_halves": [], "pp_gloo": []}
             half = len(prompts) // 2
             for _ in range(args.reps):
                 runs["pp"].append(timed(par, prompts))
+                runs["pp_gloo"].append(timed(par_gloo, prompts))
                 runs["uni"].append(timed(uni, prompts))
                 # The batch queue gives each step half the requests: uni on those halves, one
                 # after the other, is what each stage's share costs without overlap.
@@ -539,6 +551,7 @@ def pp_vs_uni(args, prompts, new: int, fresh_prefill: bool, partition: str | Non
             in_flight = par.get_stats()[0]["peak_in_flight"]
         finally:
             par.shutdown()
+            par_gloo.shutdown()
             uni.shutdown()
     finally:
         torch.set_num_threads(threads)
@@ -547,7 +560,7 @@ def pp_vs_uni(args, prompts, new: int, fresh_prefill: bool, partition: str | Non
             os.environ.pop("OMP_NUM_THREADS", None)
         else:
             os.environ["OMP_NUM_THREADS"] = omp
-    return runs, in_flight, partition
+    return runs, in_flight, partition, all(shared)
 
 
 def fig_pp(args) -> None:
@@ -564,14 +577,20 @@ def fig_pp(args) -> None:
               {"max_num_batched_tokens": 512})]
     for suffix, plen, new, fresh, partition, extra in cases:
         prompts = prompts_for(batch, plen, LLAMA_SHAPE["vocab_size"])
-        runs, in_flight, partition = pp_vs_uni(args, prompts, new, fresh, partition, model=random_llama(args),
+        runs, in_flight, partition, shared = pp_vs_uni(args, prompts, new, fresh, partition, model=random_llama(args),
                                                dtype="float32", max_model_len=plen + new + 8, **extra)
         v, b, h = (statistics.median(runs[k]) for k in ("pp", "uni", "uni_halves"))
         common = dict(batch=batch, prompt=plen, new_tokens=new, dtype="float32", prefix_cache_emptied=fresh,
                       cores=len(os.sched_getaffinity(0)), threads_per_stage=1, uni_threads=1, **extra)
         emit(f"pp2_overlap{suffix}_vs_uni_tokens_per_s", v, b, v / b, "tokens/s",
              ratio_is="value/baseline" + ("; target >= 1.6" if not suffix else ""),
-             peak_steps_in_flight=in_flight, pp_partition=partition, loadavg_1m=loadavg(), **common)
+             peak_steps_in_flight=in_flight, pp_partition=partition, shared_memory_handoff=shared,
+             loadavg_1m=loadavg(), **common)
+        g = statistics.median(runs["pp_gloo"])
+        emit(f"pp2{suffix}_shm_handoff_vs_gloo_tokens_per_s", v, g, v / g, "tokens/s",
+             ratio_is="value/baseline: the same PP=2 engine with the stages' hand-off through shared memory "
+                      "vs through gloo send/recv (SPMD_ENGINE_DISABLE_SHM_HANDOFF=1)", pp_partition=partition,
+             **common)
         emit(f"pp2_overlap{suffix}_ceiling_half_batches", 2 * h, b, 2 * h / b, "tokens/s",
              ratio_is="value/baseline: two stages each as fast as uni on a half batch, perfectly overlapped "
                       "(2 x uni tokens/s at batch/2), over uni at the whole batch: the most PP=2 with two "

@@ -26,6 +26,7 @@ EXPECTED = {
     "chunked_prefill_worst_decode_gap",
     "pp2_overlap_vs_uni_tokens_per_s", "pp2_overlap_ceiling_half_batches",
     "pp2_overlap_prefill_vs_uni_tokens_per_s", "pp2_overlap_prefill_ceiling_half_batches",
+    "pp2_shm_handoff_vs_gloo_tokens_per_s", "pp2_prefill_shm_handoff_vs_gloo_tokens_per_s",
 }
 
 

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from spmd_engine.distributed.shm_allreduce import CollectiveError, ShmAllReduce
+from spmd_engine.distributed.shm_handoff import ShmHandoff
 
 _name_counters: dict[str, Iterator[int]] = defaultdict(itertools.count)
 
@@ -90,6 +91,7 @@ class GroupCoordinator:
         self.device = (torch.device("cuda", local_rank) if device_backend == "nccl"
                        else torch.device("cpu"))
         self._shm: ShmAllReduce | None | bool = None  # None: not tried yet; False: unavailable
+        self._handoff: ShmHandoff | None | bool = None  # the same, for send/recv_tensor_dict
 
     # ---- neighbours ---------------------------------------------------
     @property
@@ -300,10 +302,32 @@ class GroupCoordinator:
             raise ValueError(f"{op} on group {self.label}: invalid peer {peer}")
         return self.ranks[peer]
 
+    def _shared_handoff(self, op: str) -> ShmHandoff | None:
+        """The shared-memory ring for default-neighbour hand-offs on a CPU (gloo) group, set
+        up on the first one: collective, so every member's first default send or receive
+        must come (the PP forward's first step makes one on every stage). None: gloo."""
+        if self._handoff is None:
+            self._handoff = False
+            if self.device_backend == "gloo":
+                with self._guard(f"{op} (shared-memory set-up)"):
+                    made = ShmHandoff.create(self.cpu_group, self.ranks, self.label, self.timeout.total_seconds())
+                self._handoff = made or False
+        return self._handoff or None
+
+    @property
+    def uses_shared_handoff(self) -> bool:
+        return bool(self._handoff)
+
     def send_tensor_dict(self, d: dict, dst: int | None = None) -> None:
-        """`d` to group rank `dst` (default: the next rank, the PP hand-off): metadata, then tensors."""
+        """`d` to group rank `dst` (default: the next rank, the PP hand-off): metadata, then tensors.
+        Default-neighbour calls pair with default-neighbour receives (on one host they go
+        through shared memory, shm_handoff.py); explicit ranks go through gloo."""
         peer = self._peer(dst, 1, "send_tensor_dict")
         meta, tensors = self._split(d)
+        handoff = self._shared_handoff("send_tensor_dict") if dst is None else None
+        if handoff is not None:
+            handoff.send(meta, tensors)
+            return
         blob = torch.frombuffer(bytearray(pickle.dumps(meta)), dtype=torch.uint8)
         with self._guard("send_tensor_dict"):
             dist.send(torch.tensor([blob.numel()], dtype=torch.int64), dst=peer, group=self.cpu_group)
@@ -315,6 +339,11 @@ class GroupCoordinator:
     def recv_tensor_dict(self, src: int | None = None) -> dict:
         """The dict sent by group rank `src` (default: the previous rank)."""
         peer = self._peer(src, -1, "recv_tensor_dict")
+        handoff = self._shared_handoff("recv_tensor_dict") if src is None else None
+        if handoff is not None:
+            meta, payload = handoff.recv()
+            arrays = iter(payload)
+            return self._join(meta, lambda m: ShmHandoff.tensor_from(next(arrays), m.dtype, m.shape))
         with self._guard("recv_tensor_dict"):
             size = torch.empty(1, dtype=torch.int64)
             dist.recv(size, src=peer, group=self.cpu_group)
@@ -332,6 +361,9 @@ class GroupCoordinator:
         if self._shm:
             self._shm.destroy()
         self._shm = False
+        if self._handoff:
+            self._handoff.destroy()
+        self._handoff = False
         if dist.is_initialized():
             for group in self._owned:
                 with contextlib.suppress(Exception):  # already gone with the default group

@@ -47,7 +47,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from .shm_ring import (ATTACHED_OFF, CHUNK_HEADER, WAKE_SEQ_OFF,
+from spmd_engine.shm_segment import ShmSegment as UntrackedSegment
+
+from .shm_ring import (ATTACHED_OFF, CHUNK_HEADER, NAME_PREFIX, WAKE_SEQ_OFF,
                        WRITER_CLOSED_OFF, Futex, RingLayout, ShmSegment,
                        read_geometry, write_geometry)
 
@@ -116,6 +118,10 @@ class MessageQueueHandle:
     shm_name: str
     n_readers: int
     label: str
+    # A queue created `unlinked` has no name: peers open the creator's descriptor instead.
+    creator_pid: Optional[int] = None
+    fd: Optional[int] = None
+    size: Optional[int] = None
 
 
 class MessageQueue:
@@ -160,14 +166,24 @@ class MessageQueue:
     def create(cls, n_readers: int, *, chunk_bytes: int = 1 << 20,
                n_chunks: int = 8, label: str = "mq",
                reader_index: Optional[int] = None,
-               wait: Optional[WaitPolicy] = None) -> "MessageQueue":
+               wait: Optional[WaitPolicy] = None,
+               unlinked: bool = False) -> "MessageQueue":
         """Create a new segment and return this process's end of it: the
         writer, or reader ``reader_index`` when another process will write
-        (a worker's response queue).  The creator owns the /dev/shm name."""
+        (a worker's response queue).  The creator owns the /dev/shm name.
+
+        ``unlinked``: no name at all, from the start (so nothing can be left
+        in /dev/shm, and no resource tracker is needed): peers in this pid
+        namespace attach through ``/proc/<creator>/fd`` (the handle says
+        which); the creator drops that descriptor once everyone attached."""
         layout = RingLayout(n_readers, n_chunks, chunk_bytes)
         if reader_index is not None and not 0 <= reader_index < n_readers:
             raise ValueError(f"reader_index {reader_index} not in [0, {n_readers})")
-        seg = ShmSegment.create(layout.size, label)
+        if unlinked:
+            seg = UntrackedSegment.create(layout.size, NAME_PREFIX, label, what=f"message queue {label!r}",
+                                          unlinked=True)
+        else:
+            seg = ShmSegment.create(layout.size, label)
         write_geometry(seg.mm, layout)
         return cls(seg, layout, label, reader_index, wait)
 
@@ -178,7 +194,10 @@ class MessageQueue:
         if not 0 <= reader_index < handle.n_readers:
             raise ValueError(f"reader_index {reader_index} not in "
                              f"[0, {handle.n_readers})")
-        seg = ShmSegment.attach(handle.shm_name)
+        if handle.fd is not None:
+            seg = UntrackedSegment.attach_fd(handle.creator_pid, handle.fd, handle.size)
+        else:
+            seg = ShmSegment.attach(handle.shm_name)
         return cls(seg, read_geometry(seg.mm), handle.label, reader_index, wait)
 
     @classmethod
@@ -189,8 +208,10 @@ class MessageQueue:
         return cls(seg, read_geometry(seg.mm), handle.label, None, wait)
 
     def handle(self) -> MessageQueueHandle:
-        return MessageQueueHandle(self._seg.name, self._layout.n_readers,
-                                  self.label)
+        fd = getattr(self._seg, "fd", None)
+        return MessageQueueHandle(self._seg.name, self._layout.n_readers, self.label,
+                                  os.getpid() if fd is not None else None, fd,
+                                  self._layout.size if fd is not None else None)
 
     # ---------------------------------------------------------------- cleanup
     def all_attached(self) -> bool:
@@ -206,6 +227,7 @@ class MessageQueue:
         self._wait(self.all_attached, self._deadline(timeout), alive,
                    "every party to attach", timeout)
         self.unlink()
+        self._seg.close_fd()  # an unlinked creator's descriptor: nobody else attaches now
 
     def unlink(self) -> None:
         """Remove the /dev/shm name now (creator only; idempotent).  Parties
