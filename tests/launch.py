@@ -80,6 +80,29 @@ def stale_segments(creators=None) -> list[str]:
     return stale
 
 
+def run_spawned_pair(target, tmp_path: Path, scenario: str, timeout: float = 60) -> tuple[list[dict], list[int]]:
+    """Two spawned processes `target(rank, scenario, store, out)` that meet on a FileStore in
+    `tmp_path` (no port); both must exit 0 within `timeout` (stragglers are killed). Returns
+    the JSON each wrote to its `out` file, and their pids (for leftover checks)."""
+    import json
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    outs = [tmp_path / f"rank{r}.json" for r in range(2)]
+    procs = [ctx.Process(target=target, args=(r, scenario, str(tmp_path / "store"), str(outs[r]))) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(timeout=timeout)
+        assert [p.exitcode for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+    return [json.loads(o.read_text()) for o in outs], [p.pid for p in procs]
+
+
 def unique_tag(name: str) -> str:
     """A launch tag no other test run on this machine can share."""
     return f"{name}-{uuid.uuid4().hex[:8]}"

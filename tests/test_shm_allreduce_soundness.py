@@ -67,22 +67,8 @@ def _rank_main(rank: int, scenario: str, store: str, out: str) -> None:
 
 
 def run_pair(tmp_path: Path, scenario: str) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    store = tmp_path / "store"
-    outs = [tmp_path / f"rank{r}.json" for r in range(2)]
-    procs = [ctx.Process(target=_rank_main, args=(r, scenario, str(store), str(outs[r]))) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(timeout=60)
-        assert [p.exitcode for p in procs] == [0, 0]
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-    results = [json.loads(o.read_text()) for o in outs]
+    from launch import run_spawned_pair
+    results, _ = run_spawned_pair(_rank_main, tmp_path, scenario)
     assert not (Path(SHM_DIR) / results[0]["name"]).exists()
     return results
 

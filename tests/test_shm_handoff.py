@@ -12,7 +12,6 @@ puts both on gloo; and nothing is left in /dev/shm or as a process.
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import time
 from pathlib import Path
@@ -105,26 +104,12 @@ def _rank_main(rank: int, scenario: str, store: str, out: str) -> None:
 
 
 def run_pair(tmp_path: Path, scenario: str) -> list[dict]:
-    from launch import stale_segments
-    ctx = mp.get_context("spawn")
-    outs = [tmp_path / f"rank{r}.json" for r in range(2)]
-    procs = [ctx.Process(target=_rank_main, args=(r, scenario, str(tmp_path / "store"), str(outs[r])))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(timeout=60)
-        assert [p.exitcode for p in procs] == [0, 0]
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join()
-    assert not stale_segments({p.pid for p in procs})
-    assert not any(name.startswith("spmd_mq_handoff") and f"_{p.pid}_" in name
-                   for name in os.listdir("/dev/shm") for p in procs), "a hand-off queue kept its name"
-    return [json.loads(o.read_text()) for o in outs]
+    from launch import run_spawned_pair, stale_segments
+    results, pids = run_spawned_pair(_rank_main, tmp_path, scenario)
+    assert not stale_segments(set(pids))
+    assert not any(name.startswith("spmd_mq_handoff") and f"_{pid}_" in name
+                   for name in os.listdir("/dev/shm") for pid in pids), "a hand-off queue kept its name"
+    return results
 
 
 def events(result: dict) -> dict:
