@@ -90,6 +90,14 @@ def _rank_main(rank: int, scenario: str, store: str, out: str) -> None:
             attempt("later", g.recv_tensor_dict)
             g.barrier()
     elif scenario == "dead":
+        if rank == 1:  # slow to finish set-up: rank 0 is gone before this rank's set-up returns
+            from spmd_engine.executor.shm_queue import MessageQueue
+            real = MessageQueue.wait_attached
+
+            def slow(self, *args, **kwargs):
+                real(self, *args, **kwargs)
+                time.sleep(1.5)
+            MessageQueue.wait_attached = slow
         if rank == 0:
             g.send_tensor_dict(_messages(rank)[0])
             Path(out).write_text(json.dumps(result))
@@ -141,6 +149,9 @@ def test_a_skipped_hand_off_is_an_error_not_a_wrong_tensor(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_a_dead_peer_is_an_error_within_seconds(tmp_path):
+    # Rank 0 sends once and exits while rank 1 is still finishing set-up (CI found the race:
+    # the peer watch was decided after set-up, by which time the peer could be gone, so the
+    # receiver had no watch and waited out the timeout).
     _, rank1 = run_pair(tmp_path, "dead")
     ev = events(rank1)
     assert ev["first"][0] == "ok"

@@ -65,6 +65,10 @@ class ShmHandoff:
         dist.all_gather_object(infos, info, group=cpu_group)
         if len({i[0] for i in infos}) != 1 or not all(i[1] for i in infos):
             return None
+        # A peer we see as it sees itself (one pid namespace) is watched while we wait on it.
+        # Checked now, while every member is known to be alive (it just joined the gather): a
+        # peer may be done and gone before the set-up below returns here.
+        peers = [(i[2], i[3]) if i[3] is not None and _process_identity(i[2]) == i[3] else None for i in infos]
         outbound = inbound = None
         try:
             # No name from the start (a rank SIGKILLed mid set-up leaves nothing in /dev/shm, and
@@ -88,9 +92,7 @@ class ShmHandoff:
                 if q is not None:
                     q.close()
             return None
-        outbound.wait_attached(timeout=timeout_s)  # everyone attached: the names go now
-        # A peer we see as it sees itself (one pid namespace) is watched while we wait on it.
-        peers = [(i[2], i[3]) if i[3] is not None and _process_identity(i[2]) == i[3] else None for i in infos]
+        outbound.wait_attached(timeout=timeout_s)  # everyone attached: the descriptor goes now
         return cls(outbound, inbound, label, timeout_s, peers[(me + 1) % n], peers[(me - 1) % n])
 
     # ---- the hand-off --------------------------------------------------------
