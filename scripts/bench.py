@@ -527,12 +527,13 @@ def pp_vs_uni(args, prompts, new: int, fresh_prefill: bool, partition: str | Non
         partition = partition or timed_pp_partition(uni, len(prompts) // 2)
         os.environ["SPMD_ENGINE_PP_PARTITION"] = partition  # read by the spawned workers
         par = LLM(pipeline_parallel_size=2, distributed_executor_backend="mp", **engine_kw)
-        os.environ[DISABLE_HANDOFF] = "1"
+        par_gloo = None
         try:
-            par_gloo = LLM(pipeline_parallel_size=2, distributed_executor_backend="mp", **engine_kw)
-        finally:
-            os.environ.pop(DISABLE_HANDOFF)
-        try:
+            os.environ[DISABLE_HANDOFF] = "1"
+            try:
+                par_gloo = LLM(pipeline_parallel_size=2, distributed_executor_backend="mp", **engine_kw)
+            finally:
+                os.environ.pop(DISABLE_HANDOFF)
             same = SamplingParams(max_tokens=8, ignore_eos=True)
             want = [o.outputs[0].token_ids for o in uni.generate(prompts, same)]
             for engine in (par, par_gloo):
@@ -551,7 +552,8 @@ def pp_vs_uni(args, prompts, new: int, fresh_prefill: bool, partition: str | Non
             in_flight = par.get_stats()[0]["peak_in_flight"]
         finally:
             par.shutdown()
-            par_gloo.shutdown()
+            if par_gloo is not None:
+                par_gloo.shutdown()
             uni.shutdown()
     finally:
         torch.set_num_threads(threads)
