@@ -269,9 +269,17 @@ def test_signal_stops_cleanly_with_no_partial_output(tmp_path, signum, code):
     out = tmp_path / "out.jsonl"
     tag = unique_tag(f"signal{int(signum)}")
     env = base_env(tag)
-    proc = subprocess.Popen([sys.executable, "-m", "spmd_engine.run", "-tp", "2", "--prompt", "Beautiful is",
-                             "--output", str(out)], stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
-                            start_new_session=True)
+    # A launcher that ignores SIGINT (an `&` job of a shell without job control, as a CI script
+    # may be) passes SIG_IGN on to every child, and the run then rightly ignores the signal and
+    # exits 0 (seen twice in a row in CI runs started that way). The run under test gets the
+    # default disposition: a Python handler here is reset to SIG_DFL in the child at exec.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "spmd_engine.run", "-tp", "2", "--prompt", "Beautiful is",
+                                 "--output", str(out)], stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
+                                start_new_session=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     try:
         deadline = time.monotonic() + 60
         line = ""
