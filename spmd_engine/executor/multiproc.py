@@ -24,6 +24,10 @@ from spmd_engine.executor.abstract import Executor, dumps_method
 from spmd_engine.executor.shm_queue import MessageQueue, PeerGoneError
 from spmd_engine.executor.worker_proc import FAILURE, SHUTDOWN, WorkerHandle, start_worker
 
+# How long a failing call waits for a worker's death to become visible (its sentinel), so a
+# survivor's "peer is gone" error still comes with the line naming the dead worker.
+DEATH_GRACE_S = 0.2
+
 logger = logging.getLogger("spmd_engine")
 
 
@@ -93,14 +97,11 @@ class MultiprocExecutor(Executor):
             sentinels = [w.proc.sentinel for w in workers]
             died = multiprocessing.connection.wait(sentinels)
             _self = self_ref()
-            if not _self or getattr(_self, "shutting_down", False):
+            # Failed already: _fail named every worker that was dead by then.
+            if not _self or getattr(_self, "shutting_down", False) or _self.is_failed:
                 return
             _self.is_failed = True
-            dead = next(w for w in workers if w.proc.sentinel in died)
-            dead.proc.join(timeout=1.0)  # the sentinel can fire before the exit status is reapable
-            logger.error("Worker proc %s (local rank %d, pid %d) died unexpectedly with %s, "
-                         "shutting down executor.", dead.name, dead.local_rank, dead.proc.pid,
-                         _exit_description(dead.proc.exitcode))
+            _log_death(next(w for w in workers if w.proc.sentinel in died))
             _self.shutdown(close_queues=False)
             callback = _self.failure_callback
             if callback is not None:
@@ -230,6 +231,11 @@ class MultiprocExecutor(Executor):
         if self.is_failed:
             return
         self.is_failed = True
+        # A worker killed mid-call often shows first as a survivor's error ("a peer is gone"):
+        # name the dead one too, as the monitor would have (it stands down once we failed).
+        sentinels = {w.proc.sentinel: w for w in self.workers}
+        for sentinel in multiprocessing.connection.wait(list(sentinels), timeout=DEATH_GRACE_S):
+            _log_death(sentinels[sentinel])
         logger.error("%s; shutting down executor.", why)
         self.shutdown(close_queues=False)
         callback = self.failure_callback
@@ -282,6 +288,13 @@ def _ensure_worker_termination(procs: list[mp.Process], grace_s: float = 5.0) ->
         if p.is_alive():
             p.kill()
             p.join(timeout=2)
+
+
+def _log_death(worker) -> None:
+    """The line that names a dead worker: its name, local rank, pid and how it ended."""
+    worker.proc.join(timeout=1.0)  # the sentinel can fire before the exit status is reapable
+    logger.error("Worker proc %s (local rank %d, pid %d) died unexpectedly with %s, shutting down executor.",
+                 worker.name, worker.local_rank, worker.proc.pid, _exit_description(worker.proc.exitcode))
 
 
 def _exit_description(code: int | None) -> str:
