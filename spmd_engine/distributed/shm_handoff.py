@@ -118,10 +118,13 @@ class ShmHandoff:
 
     @staticmethod
     def tensor_from(buf: np.ndarray, dtype: torch.dtype, shape) -> torch.Tensor:
-        """A received byte array as a tensor of its own memory (the queue reuses its buffers)."""
+        """A received byte array as a tensor, without another copy: dequeue already copied the
+        message out of the ring into memory of its own (a read-only view is copied once)."""
         if buf.size == 0:
             return torch.empty(shape, dtype=dtype)
-        return torch.from_numpy(np.array(buf, dtype=np.uint8, copy=True)).view(dtype).view(shape)
+        if not buf.flags.writeable:
+            buf = buf.copy()
+        return torch.from_numpy(buf).view(dtype).view(shape)
 
     def _alive(self, peer: tuple[int, str] | None):
         if peer is None:
