@@ -251,6 +251,11 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
+    # vLLM's names for the block counts the workers agreed on, filled in by the engine once its
+    # KV cache exists: num_gpu_blocks is the device's (the CPU's when it runs on CPU),
+    # num_cpu_blocks the swap space's (none: preemption recomputes).
+    num_gpu_blocks: int | None = None
+    num_cpu_blocks: int | None = None
 
     def __post_init__(self) -> None:
         b = self.block_size

@@ -60,9 +60,18 @@ class ModelRunner:
         return self.model.update_weights(weights)
 
     def reload_weights(self) -> set[str]:
-        """Read this rank's tensors from the model directory on disk again."""
+        """Restore what the engine should serve: the checkpoint's tensors (read from the model
+        directory) when sleep(level=2) discarded the weights and nothing was loaded since;
+        otherwise nothing, since the weights are the checkpoint's or a trainer's newer ones (TRL
+        calls this after every weight sync). To go back to the checkpoint after an update:
+        sleep(level=2), then reload_weights."""
         from spmd_engine.model.loader import checkpoint_weights
-        return self.model.update_weights(checkpoint_weights(self.model, self.config.model_config.model_dir))
+        model_dir = self.config.model_config.model_dir
+        if not self.model.reload_pending:
+            logger.debug("reload_weights: kept the weights loaded since the last discard (%s not read)",
+                         model_dir)
+            return set()
+        return self.model.update_weights(checkpoint_weights(self.model, model_dir))
 
     def kv_budget_bytes(self) -> int:
         """This rank's KV budget from its device's memory (kv_sizing's rules)."""

@@ -212,8 +212,15 @@ class Worker:
         self.model_runner.wake_up(tags)
 
     def weights_need_load(self) -> bool:
-        """True after sleep(level=2) until load_weights / reload_weights filled the weights."""
+        """True after sleep(level=2) until load_weights / reload_weights filled every tensor."""
         return self.model_runner.model.needs_weights
+
+    def unwritten_weights(self) -> list[str]:
+        """HF names of this rank's tensors with no value since sleep(level=2) discarded them."""
+        return self.model_runner.model.unwritten_weights()
+
+    def weights_loaded_since_discard(self) -> bool:
+        return not self.model_runner.model.reload_pending
 
     def memory_usage(self) -> dict:
         """This process's resident memory (from /proc/self/statm) and, on CUDA, the device's free bytes."""

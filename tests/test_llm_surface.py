@@ -4,6 +4,7 @@ fresh versus seeded randomness, and LLM under srun."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -152,9 +153,9 @@ def test_unseeded_requests_draw_fresh_randomness_every_call(ckpt, layout):
 
 
 @pytest.mark.timeout(60)
-def test_external_launcher_needs_an_engine_seed(ckpt):
-    with pytest.raises(ConfigError, match=r"'external_launcher' needs LLM\(seed=...\)"):
-        LLM(model=str(ckpt), distributed_executor_backend="external_launcher")
+def test_engine_seed_none_is_vllms_0_and_must_be_an_integer(ckpt):
+    with LLM(model=str(ckpt), max_model_len=64, seed=None) as llm:
+        assert llm.seed == 0
     with pytest.raises(ConfigError, match="seed must be an integer"):
         LLM(model=str(ckpt), seed="1")
 
@@ -162,7 +163,8 @@ def test_external_launcher_needs_an_engine_seed(ckpt):
 @pytest.mark.timeout(240)
 def test_llm_under_srun_is_external_launcher_with_fresh_randomness_agreed_by_ranks(tmp_path, ckpt):
     """Stand-in srun, 2 tasks, no torchrun variables: LLM resolves to external_launcher (as the
-    CLI does), both TP ranks draw the same unseeded samples, and the two calls differ."""
+    CLI does), both TP ranks draw the same unseeded samples, and the two calls differ. No
+    engine seed is seed 0 (vLLM), and three engines start one after another in the tasks."""
     import fake_slurm
     from launch import PYTHON, REPO, Launch, base_env
 
@@ -179,7 +181,25 @@ def test_llm_under_srun_is_external_launcher_with_fresh_randomness_agreed_by_ran
     assert len(results) == 2 and results[0] == results[1], launch.describe()
     (result,) = results[:1]
     assert result["backend"] == "external_launcher"
-    assert "needs LLM(seed=...)" in result["without_seed"]
+    assert result["without_seed"] == result["seed_0"]
     assert "ranks [0, 1] have engine seeds [5, 6]" in result["seed_mismatch"]
     assert result["first"] != result["second"]
     assert not launch.leftover_pids
+
+
+@pytest.mark.timeout(60)
+def test_none_means_vllms_default_as_trainers_pass_it(ckpt, caplog):
+    """TRL passes None for what its user left unset (max_num_seqs, max_model_len, quantization):
+    vLLM takes None as the default, and so do we; a real quantization method is refused by name."""
+    with LLM(model=str(ckpt)) as llm:
+        want = llm.config
+    with caplog.at_level(logging.WARNING, logger="spmd_engine"):
+        with LLM(model=str(ckpt), max_num_seqs=None, max_model_len=None, max_num_batched_tokens=None,
+                 gpu_memory_utilization=None, block_size=None, swap_space=None, quantization=None, seed=None,
+                 model_impl="auto") as llm:
+            assert llm.config.scheduler_config == want.scheduler_config
+            same = dataclasses.replace(llm.config.cache_config, num_gpu_blocks=want.cache_config.num_gpu_blocks)
+            assert same == want.cache_config and llm.seed == 0  # (the block count follows free memory)
+    assert not [r for r in caplog.records if "no effect here" in r.getMessage()]  # None and defaults: silent
+    with pytest.raises(ConfigError, match="quantization='awq' is not supported"):
+        LLM(model=str(ckpt), quantization="awq")

@@ -123,3 +123,23 @@ def test_mp_tp2_sleep_round_trips(ckpt):
         llm.collective_rpc("reload_weights")
         llm.wake_up()
         assert tokens(llm) == want
+
+
+@pytest.mark.timeout(120)
+def test_sleep_2_then_a_partial_load_refuses_to_generate_until_every_tensor_is_back(ckpt):
+    """A trainer that stops half way through its push must not leave an engine serving a mix of
+    uninitialised and loaded tensors; reload_weights keeps what was loaded (no silent revert)."""
+    from safetensors.torch import load_file
+    with LLM(model=str(ckpt), max_model_len=64, enable_sleep_mode=True) as llm:
+        want = tokens(llm)
+        model = llm.llm_engine.model_executor.driver_worker.model_runner.model
+        pairs = sorted(load_file(f"{ckpt}/model.safetensors").items())
+        llm.sleep(level=2)
+        llm.wake_up(tags=["weights"])
+        model.load_weights(pairs[:3])
+        assert llm.collective_rpc("reload_weights") == [set()]
+        llm.wake_up(tags=["kv_cache"])
+        with pytest.raises(RuntimeError, match=f"{len(pairs) - 3} tensors have not been loaded since"):
+            llm.generate(PROMPTS, GREEDY)
+        model.load_weights(pairs[3:])
+        assert tokens(llm) == want

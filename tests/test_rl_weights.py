@@ -128,14 +128,21 @@ def test_dummy_load_format_reads_no_checkpoint_and_takes_weights_later(ckpts, tm
 
 
 @pytest.mark.timeout(120)
-def test_reload_weights_reads_the_model_dir_again(ckpts):
+def test_reload_weights_keeps_a_trainers_update_and_restores_discarded_weights(ckpts):
+    """TRL calls reload_weights after every weight sync (its workaround for vllm#29341): after a
+    load it keeps the loaded weights; only weights discarded by sleep(2), with nothing loaded
+    since, are read from the model directory again."""
     old, new = ckpts
-    with LLM(model=str(old), max_model_len=64) as llm:
+    with LLM(model=str(old), max_model_len=64, enable_sleep_mode=True) as llm:
         driver_model(llm).load_weights(tensors(new).items())
         llm.reset_prefix_cache()
         assert tokens(llm) == expected(new)
-        assert llm.collective_rpc("reload_weights") == [set(tensors(old))]
+        assert llm.collective_rpc("reload_weights") == [set()]
         llm.reset_prefix_cache()
+        assert tokens(llm) == expected(new)
+        llm.sleep(level=2)
+        assert llm.collective_rpc("reload_weights") == [set(tensors(old))]
+        llm.wake_up()
         assert tokens(llm) == expected(old)
 
 
@@ -168,7 +175,8 @@ def test_bad_weights_are_named_and_the_engine_keeps_working(ckpts):
 def test_mp_collective_rpc_load_and_reload(ckpts, layout):
     old, new = ckpts
     new_tensors = tensors(new)
-    with LLM(model=str(old), max_model_len=64, distributed_executor_backend="mp", **layout) as llm:
+    with LLM(model=str(old), max_model_len=64, distributed_executor_backend="mp", enable_sleep_mode=True,
+             **layout) as llm:
         assert tokens(llm) == expected(old)
         loaded = llm.collective_rpc("load_weights", args=(list(new_tensors.items()),))
         if layout.get("pipeline_parallel_size") == 2:
@@ -188,8 +196,12 @@ def test_mp_collective_rpc_load_and_reload(ckpts, layout):
         assert tokens(llm) == expected(new)
         with pytest.raises(ValueError, match="unknown weight name 'lm_head.bias'"):
             llm.collective_rpc("load_weights", args=([("lm_head.bias", torch.zeros(300))],))
-        llm.collective_rpc("reload_weights")
+        assert llm.collective_rpc("reload_weights") == [set(), set()]  # every worker keeps the update
         llm.reset_prefix_cache()
+        assert tokens(llm) == expected(new)
+        llm.sleep(level=2)  # back to the checkpoint: discard, then reload
+        llm.collective_rpc("reload_weights")
+        llm.wake_up()
         assert tokens(llm) == expected(old)
 
 

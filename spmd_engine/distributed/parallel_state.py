@@ -40,6 +40,8 @@ class _State:
     local_rank: int = 0
     layout: topology.Layout | None = None
     groups: dict[str, GroupCoordinator] = field(default_factory=dict)
+    launch_store: dist.Store | None = None  # the launcher's store, kept for the process's life
+    worlds_made: int = 0  # default groups made on it: each world's keys get their own prefix
 
 
 _STATE = _State()
@@ -93,24 +95,31 @@ def init_distributed_environment(world_size: int = -1, rank: int = -1, local_ran
     kwargs: dict = {}
     if rank >= 0 and world_size > 0:
         kwargs = dict(init_method=distributed_init_method, rank=rank, world_size=world_size)
-    elif launch is not None and launch.source == "torchrun":
-        kwargs = dict(init_method="env://", rank=launch.rank, world_size=launch.world_size)
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        if attempt not in ("", "0"):
-            # torchrun --max-restarts keeps its store across attempts: a restarted attempt would
-            # read the first attempt's keys (gloo's addresses) and fail to connect. Namespace them.
-            store, _, _ = next(dist.rendezvous("env://", rank=launch.rank, world_size=launch.world_size,
-                                               timeout=_STATE.timeout))
-            kwargs = dict(store=dist.PrefixStore(f"spmd_engine/attempt{attempt}/", store),
-                          rank=launch.rank, world_size=launch.world_size)
     elif launch is not None:
-        method = launch.init_method if distributed_init_method == "env://" else distributed_init_method
-        kwargs = dict(init_method=method, rank=launch.rank, world_size=launch.world_size)
+        method = "env://" if launch.source == "torchrun" else (
+            launch.init_method if distributed_init_method == "env://" else distributed_init_method)
+        kwargs = dict(store=_launch_store(method, launch.rank, launch.world_size),
+                      rank=launch.rank, world_size=launch.world_size)
     else:  # nothing launched us: a world of one needs no rendezvous or port
         kwargs = dict(store=dist.HashStore(), rank=0, world_size=1)
     dist.init_process_group(backend, timeout=_STATE.timeout, **kwargs)
     _STATE.owns_default_group, _STATE.reused_default_group = True, False
     _STATE.device_backend = _device_backend(backend)
+
+
+def _launch_store(method: str, rank: int, world_size: int) -> dist.Store:
+    """The launcher's store, met once per process and kept, under a fresh key prefix for each
+    world made on it. Keys outlive a world: torchrun's agent keeps its store across restart
+    attempts, and an engine built after another one in the same processes would read the
+    first world's keys (gloo's addresses) and fail to connect. Keeping the store also keeps
+    its server (rank 0's, outside torchrun) in place, so no rank can reach a server that is
+    about to close."""
+    if _STATE.launch_store is None:
+        _STATE.launch_store, _, _ = next(dist.rendezvous(method, rank=rank, world_size=world_size,
+                                                         timeout=_STATE.timeout))
+    _STATE.worlds_made += 1
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "") or "0"
+    return dist.PrefixStore(f"spmd_engine/attempt{attempt}/world{_STATE.worlds_made}/", _STATE.launch_store)
 
 
 def layout_for_world(parallel_config: ParallelConfig, launched_world: int) -> topology.Layout:

@@ -38,6 +38,7 @@ class EngineCore:
             self.executor.shutdown()
             raise
         self.num_kv_blocks = num_blocks
+        cache.num_gpu_blocks, cache.num_cpu_blocks = num_blocks, 0
         logger.info("engine ready: %s", kv_sizing.describe(num_blocks, cache.block_size, per_token))
         kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config, kv, eos_token_id)
@@ -46,6 +47,12 @@ class EngineCore:
         self.wave_stats = {"waves": 0, "wave_steps": 0, "dummy_steps": 0}
         self._batch_queue: deque = deque()  # (SchedulerOutput, its result) of steps in flight
         self._peak_in_flight = 0
+
+    @property
+    def vllm_config(self) -> EngineConfig:
+        """vLLM's name for the engine's configuration (users read
+        `vllm_config.cache_config.num_gpu_blocks`)."""
+        return self.config
 
     @property
     def model_executor(self) -> Executor:

@@ -36,6 +36,7 @@ POLL_S = 0.2
 class DPEngineClient:
     def __init__(self, config: EngineConfig, executor_class, max_model_len: int, eos: int | None):
         dp_size = config.parallel_config.data_parallel_size
+        self.config = config
         from spmd_engine.proc_util import created_from_main_thread, mp_context
         ctx = mp_context()
         self.procs: list[mp.Process] = []
@@ -138,6 +139,15 @@ class DPEngineClient:
         err = EngineDeadError(why)
         err.partial = finished
         raise err
+
+    @property
+    def vllm_config(self) -> EngineConfig:
+        """The replicas' configuration, with the block count their workers agreed on (one
+        world across DP: the same in every replica)."""
+        cache = self.config.cache_config
+        if cache.num_gpu_blocks is None:
+            cache.num_gpu_blocks, cache.num_cpu_blocks = self.call_core("get_stats")[0]["num_blocks"], 0
+        return self.config
 
     def collective_rpc(self, method, args=(), kwargs=None, unique_reply_rank=None):
         if self.failed:

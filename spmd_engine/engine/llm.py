@@ -23,7 +23,7 @@ from spmd_engine.engine.core import EngineDeadError, ProgressCallback
 from spmd_engine.engine.dp_waves import needs_dp_coordinator
 from spmd_engine.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from spmd_engine.engine.request import Request
-from spmd_engine.engine.vllm_args import accept_vllm_kwargs
+from spmd_engine.engine.vllm_args import accept_vllm_kwargs, none_means_default
 from spmd_engine.sampling_params import SamplingParams
 
 SEED_MASK = (1 << 63) - 1
@@ -40,20 +40,24 @@ class LLM:
                  prefill_context_parallel_size: int = 1, decode_context_parallel_size: int = 1,
                  distributed_executor_backend: str | type | None = None, seed: int | None = None,
                  dtype: str | None = None, max_model_len: int | None = None,
-                 max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, enable_expert_parallel: bool = False,
+                 max_num_seqs: int | None = DEFAULT_MAX_NUM_SEQS, enable_expert_parallel: bool = False,
                  pp_partition: str | None = None, device: str | None = None, timeout_s: float | None = None,
-                 nnodes: int = 1, block_size: int = 16, gpu_memory_utilization: float = 0.9,
+                 nnodes: int = 1, block_size: int | None = 16, gpu_memory_utilization: float | None = 0.9,
                  kv_cache_memory_bytes: int | None = None, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  load_format: str = "auto", enable_sleep_mode: bool = False, **vllm_kwargs):
         """vLLM's arguments and meanings. `seed` is the engine seed (None: 0): requests without
         their own seed draw from a stream it starts, fresh on every generate call; under
         external_launcher it must be given, the same on every rank of a replica (vLLM's rule).
-        Other vLLM arguments are accepted and ignored, with one warning (see vllm_args)."""
+        Other vLLM arguments are accepted and ignored, with one warning (see vllm_args). As in
+        vLLM, None for a sizing argument (trainers pass None for what their user left unset)
+        means its default."""
         from spmd_engine.engine.input_processor import InputProcessor
         from spmd_engine.model.partition import (check_model_parallel, expert_parallel_size,
                                                   moe_width_ranks_across_dp, parse_pp_partition)
         accept_vllm_kwargs(vllm_kwargs)
+        max_num_seqs, block_size, gpu_memory_utilization = none_means_default(
+            max_num_seqs=max_num_seqs, block_size=block_size, gpu_memory_utilization=gpu_memory_utilization)
 
         parallel = ParallelConfig(
             tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
@@ -136,9 +140,14 @@ class LLM:
             raise RuntimeError(f"the engine is asleep ({', '.join(sorted(self._asleep))} given back by "
                                f"llm.sleep()): call llm.wake_up() before generate")
         if self._weights_discarded:
-            if any(self._engine.collective_rpc("weights_need_load")):
+            missing = sorted({name for names in self._engine.collective_rpc("unwritten_weights") for name in names})
+            if missing and not any(self._engine.collective_rpc("weights_loaded_since_discard")):
                 raise RuntimeError("sleep(level=2) discarded the weights: load_weights(...) or "
                                    "collective_rpc('reload_weights') before generate")
+            if missing:  # a half-done push would serve a mix of two policies
+                raise RuntimeError(f"sleep(level=2) discarded the weights and {len(missing)} tensors have not "
+                                   f"been loaded since (first: {missing[0]}): load_weights(...) every tensor, "
+                                   f"or collective_rpc('reload_weights'), before generate")
             self._weights_discarded = False
         stream = self._seed_stream.getstate()
         try:  # a refused call draws nothing, so every rank's stream stays where the others' are
@@ -353,13 +362,10 @@ class LLM:
 
 
 def engine_seed(seed: int | None, backend) -> int:
-    """LLM(seed=...): None means 0 (vLLM's default), except under external_launcher, where each
-    rank samples for itself and only a seed given alike to every rank keeps them in step (vLLM
-    refuses a missing seed there too)."""
+    """LLM(seed=...): None means 0, as in vLLM (V1), under every backend. Under
+    external_launcher each rank samples for itself, so the ranks of a replica must agree on
+    it: generate checks that they do (a trainer passing seed=rank would get different text)."""
     if seed is None:
-        if backend == "external_launcher":
-            raise ConfigError("distributed_executor_backend 'external_launcher' needs LLM(seed=...), the same "
-                              "on every rank of a replica, so that all its ranks sample the same tokens")
         return 0
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ConfigError(f"seed must be an integer, got seed={seed!r}")

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 
+from spmd_engine.config import DEFAULT_MAX_NUM_SEQS, CacheConfig, ConfigError
+
 logger = logging.getLogger("spmd_engine")
 
 IGNORED_VLLM_ARGS = frozenset("""
@@ -44,12 +46,39 @@ IGNORED_VLLM_ARGS = frozenset("""
 """.split())
 
 
+# vLLM's own defaults of ignored arguments: passing one changes nothing, so it is not warned about.
+VLLM_DEFAULTS = {"model_impl": "auto", "enforce_eager": False, "trust_remote_code": False, "swap_space": 4, "tokenizer_mode": "auto",
+                 "kv_cache_dtype": "auto", "logprobs_mode": "raw_logprobs", "max_logprobs": 20,
+                 "disable_custom_all_reduce": False, "cpu_offload_gb": 0}
+
+# Sizing arguments of LLM(...) whose None means vLLM's default (trainers such as TRL pass None
+# for what their own user left unset).
+NONE_DEFAULTS = {"max_num_seqs": DEFAULT_MAX_NUM_SEQS, "block_size": CacheConfig.block_size,
+                 "gpu_memory_utilization": CacheConfig.gpu_memory_utilization}
+
+
+def none_means_default(**values):
+    """The values in the order given, each None replaced by vLLM's default for it."""
+    return tuple(NONE_DEFAULTS[k] if v is None else v for k, v in values.items())
+
+
 def accept_vllm_kwargs(kwargs: dict) -> None:
-    """TypeError for a name vLLM does not know; one warning listing the ones ignored here."""
+    """TypeError for a name vLLM does not know; a ConfigError for a quantization method (the
+    weights would be read wrongly, not just slower); one warning listing the arguments ignored
+    here, leaving out None and vLLM's own defaults, which mean nothing either way."""
     unknown = sorted(k for k in kwargs if k not in IGNORED_VLLM_ARGS)
     if unknown:
         raise TypeError(f"LLM.__init__() got an unexpected keyword argument {unknown[0]!r}"
                         + (f" (and {unknown[1:]})" if len(unknown) > 1 else ""))
-    if kwargs:
+    if kwargs.get("quantization") is not None:
+        raise ConfigError(f"quantization={kwargs['quantization']!r} is not supported: spmd_engine runs "
+                          f"unquantized checkpoints (float32, bfloat16, float16)")
+    ignored = {k: v for k, v in kwargs.items()
+               if v is not None and not (k in VLLM_DEFAULTS and v == VLLM_DEFAULTS[k])}
+    if str(ignored.get("logprobs_mode", "")).startswith("processed"):
+        logger.warning("LLM: logprobs_mode=%r is not implemented yet: logprobs are the model's own, before "
+                       "temperature, penalties and top-k/top-p (the same only when none of them is set)",
+                       ignored.pop("logprobs_mode"))
+    if ignored:
         logger.warning("LLM: vLLM argument(s) with no effect here, ignored: %s",
-                       ", ".join(f"{k}={kwargs[k]!r}" for k in sorted(kwargs)))
+                       ", ".join(f"{k}={ignored[k]!r}" for k in sorted(ignored)))

@@ -16,15 +16,18 @@ from spmd_engine.config import ConfigError, EngineConfig
 
 
 def dumps_method(method: str | Callable) -> str | bytes:
-    """A method name travels as is; a callable is pickled (cloudpickle, when installed,
-    also carries lambdas and closures)."""
+    """A method name travels as is; a callable is pickled by cloudpickle (lambdas and closures
+    too, as in vLLM). One that cannot be pickled is a TypeError naming it, raised before
+    anything is sent, so the workers and the executor are untouched."""
     if isinstance(method, str):
         return method
+    import cloudpickle
     try:
-        import cloudpickle
         return cloudpickle.dumps(method, protocol=pickle.HIGHEST_PROTOCOL)
-    except ImportError:
-        return pickle.dumps(method, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        name = getattr(method, "__qualname__", None) or repr(method)
+        raise TypeError(f"collective_rpc: cannot send {name} to the workers: it does not pickle "
+                        f"({type(exc).__name__}: {exc})") from exc
 
 
 def loads_method(method: str | bytes) -> str | Callable:

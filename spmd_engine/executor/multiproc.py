@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from spmd_engine import topology
 from spmd_engine.executor.abstract import Executor, dumps_method
-from spmd_engine.executor.shm_queue import MessageQueue, PeerGoneError
+from spmd_engine.executor.shm_queue import MessageQueue, PeerGoneError, UnpicklableError
 from spmd_engine.executor.worker_proc import FAILURE, SHUTDOWN, WorkerHandle, start_worker
 
 # How long a failing call waits for a worker's death to become visible (its sentinel), so a
@@ -166,6 +166,8 @@ class MultiprocExecutor(Executor):
         name = method if isinstance(method, str) else getattr(method, "__name__", "callable")
         try:
             self.rpc_broadcast_mq.enqueue((send_method, args, kwargs, unique_reply_rank), timeout=timeout)
+        except UnpicklableError as exc:  # nothing was written: the call never happened
+            raise TypeError(f"collective_rpc {name!r}: its arguments do not pickle ({exc})") from exc
         except TimeoutError:
             self._fail(f"collective_rpc {name!r}: the workers did not take the call within {timeout:g}s")
             raise TimeoutError(f"collective_rpc {name!r}: the workers did not take the call within "

@@ -330,15 +330,35 @@ class CausalLM(nn.Module):
                     with torch.no_grad():
                         module.weight_loader(param, tensor.detach(), shard_id)
                     loaded.add(name)
+                    self._mark_written(name)
         finally:
             from spmd_engine.model.packed_weights import repack
             for module, tensor in dense.items():
                 repack(module, tensor)
-        self.needs_weights = False
         return loaded
 
     # ---- sleep mode: weights given back and restored ----
-    needs_weights = False  # True from discard_weights until a load
+    # HF names of this rank's tensors with no value since discard_weights (None: all have one).
+    _unwritten: set[str] | None = None
+    # True from discard_weights until any tensor is loaded: only then does reload_weights read
+    # the checkpoint (after a trainer's load it would throw the trainer's update away).
+    reload_pending = False
+
+    @property
+    def needs_weights(self) -> bool:
+        """Some tensor of this rank has had no value since the weights were discarded."""
+        return bool(self._unwritten)
+
+    def unwritten_weights(self) -> list[str]:
+        return sorted(self._unwritten or ())
+
+    def _mark_written(self, name: str) -> None:
+        if self._unwritten:
+            self._unwritten.discard(name)
+            if name == "lm_head.weight" and self.spec.tie_word_embeddings:
+                self._unwritten.discard("model.embed_tokens.weight")  # the same tensor
+        self.reload_pending = False
+
     @property
     def weights_discarded(self) -> bool:
         return bool(getattr(self, "_discarded", None))
@@ -367,7 +387,8 @@ class CausalLM(nn.Module):
         for module in self.modules():  # packed copies of MoE experts go too
             if hasattr(module, "drop_packed"):
                 module.drop_packed()
-        self.needs_weights = True  # until the next update_weights fills them
+        self._unwritten = {hf_name for hf_name, _, _ in self.checkpoint_tensors()}
+        self.reload_pending = True
 
     def allocate_discarded_weights(self) -> None:
         """Storage again for discarded parameters, uninitialised (packed ones packed again)."""

@@ -1,6 +1,7 @@
 """LLM built under srun alone (SLURM_* variables, no torchrun's): it must resolve to
-external_launcher, refuse a missing engine seed, sample alike on both TP ranks, and name
-ranks whose engine seeds differ.
+external_launcher, take a missing engine seed as 0 (vLLM's default), sample alike on both TP
+ranks, and name ranks whose engine seeds differ. Three engines are built one after another in
+the same tasks.
 Prints one JSON line per rank; argv[1] is the checkpoint."""
 
 import json
@@ -12,12 +13,11 @@ from spmd_engine.config import ConfigError
 
 if __name__ == "__main__":
     model = sys.argv[1]
-    try:  # refused before any process group exists, so the ranks carry on
-        LLM(model=model, tensor_parallel_size=2, max_model_len=64)
-        without_seed = "accepted"
-    except ConfigError as exc:
-        without_seed = str(exc)
     params = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)
+    with LLM(model=model, tensor_parallel_size=2, max_model_len=64) as llm:
+        without_seed = [o.outputs[0].token_ids for o in llm.generate([[5, 6, 7], [8, 9]], params)]
+    with LLM(model=model, tensor_parallel_size=2, max_model_len=64, seed=0) as llm:
+        seed_0 = [o.outputs[0].token_ids for o in llm.generate([[5, 6, 7], [8, 9]], params)]
     with LLM(model=model, tensor_parallel_size=2, max_model_len=64, seed=5) as llm:
         backend = llm.config.parallel_config.distributed_executor_backend
         first, second = ([o.outputs[0].token_ids for o in llm.generate([[5, 6, 7], [8, 9]], params)]
@@ -28,5 +28,5 @@ if __name__ == "__main__":
             seed_mismatch = "accepted"
         except ConfigError as exc:
             seed_mismatch = str(exc)
-    print(json.dumps({"backend": backend, "without_seed": without_seed, "seed_mismatch": seed_mismatch,
+    print(json.dumps({"backend": backend, "without_seed": without_seed, "seed_0": seed_0, "seed_mismatch": seed_mismatch,
                       "first": first, "second": second}), flush=True)
