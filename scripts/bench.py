@@ -181,7 +181,7 @@ def hf_generator(model_dir: str, dtype):
 def plain_torch_generator(model_dir: str, dtype):
     """Unsharded reference decode: our CausalLM without the engine (no scheduler, no RPC)."""
     import torch
-    from spmd_engine.model.attention import AttentionMetadata
+    from spmd_engine.model.layers.attention import AttentionMetadata
     from spmd_engine.model.loader import load_model
     from spmd_engine.model.solo import SoloGroup
     g = SoloGroup()
@@ -235,7 +235,7 @@ def matmul_seconds(llm, rows: int, reps: int = 20) -> dict[str, float]:
     """Seconds per call of each weight matmul of a uni engine's model (its own, packed,
     weights) on `rows` rows, by module name, timed in model order with nothing else running."""
     import torch
-    from spmd_engine.model.packed_weights import linear
+    from spmd_engine.model.layers.packed_weights import linear
     model = llm.llm_engine.model_executor.driver_worker.model_runner.model
     weights = {name: m.weight for name, m in model.named_modules() if getattr(m, "packable_weight", False)}
     inputs = {w.shape[1]: torch.randn(rows, w.shape[1]).to(w.dtype) for w in weights.values()}
@@ -815,7 +815,7 @@ def fig_wave(args) -> None:
 def fig_sampling(args) -> None:
     import torch
 
-    from spmd_engine.sampler import Sampler
+    from spmd_engine.sample.sampler import Sampler
     from spmd_engine.sampling_params import SamplingParams
     batch, vocab = 256, 152064
     device = "cuda" if torch.cuda.is_available() else "cpu"

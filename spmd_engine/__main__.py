@@ -1,3 +1,3 @@
-from spmd_engine.run import entry
+from spmd_engine.run.main import entry
 
 entry()

@@ -44,7 +44,7 @@ def packed_step(rows, block_size: int = 4, blocks_per_seq: int = 4, device="cpu"
     k*blocks_per_seq ... (k+1)*blocks_per_seq - 1: rows are (k, tokens, context_len).
     Returns (ids [N] in the metadata's packed order, positions [N], metadata); bring
     per-token outputs back to row order with `md.to_row_order`."""
-    from spmd_engine.model.attention import AttentionMetadata
+    from spmd_engine.model.layers.attention import AttentionMetadata
     tables = [list(range(k * blocks_per_seq, (k + 1) * blocks_per_seq)) for k, _, _ in rows]
     md = AttentionMetadata.build([c for _, _, c in rows], [len(t) for _, t, _ in rows], tables, block_size, device)
     ids = torch.tensor(md.pack([list(tokens) for _, tokens, _ in rows]), dtype=torch.long)

@@ -10,7 +10,7 @@ import pytest
 
 from engine_helpers import make_tiny_checkpoint
 from spmd_engine import LLM
-from spmd_engine.plan_report import plan_dict
+from spmd_engine.plan.report import plan_dict
 from spmd_engine.topology import Layout
 
 

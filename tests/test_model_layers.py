@@ -286,7 +286,7 @@ def test_rotary_matches_complex_rotation():
 
 
 def test_rope_scaling_linear_divides_frequencies():
-    from spmd_engine.model.rotary import inv_frequencies
+    from spmd_engine.model.layers.rotary import inv_frequencies
 
     base = inv_frequencies(16, 10000.0)
     assert torch.allclose(inv_frequencies(16, 10000.0, {"type": "linear", "factor": 4.0}), base / 4)
@@ -294,7 +294,7 @@ def test_rope_scaling_linear_divides_frequencies():
 
 def test_rope_scaling_llama3_bands():
     """High frequencies kept, low ones divided by factor, the middle band between."""
-    from spmd_engine.model.rotary import inv_frequencies
+    from spmd_engine.model.layers.rotary import inv_frequencies
 
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
@@ -312,7 +312,7 @@ def test_rope_scaling_llama3_matches_transformers():
     rope_utils = require_reference("transformers.modeling_rope_utils")
     from transformers import LlamaConfig
 
-    from spmd_engine.model.rotary import inv_frequencies
+    from spmd_engine.model.layers.rotary import inv_frequencies
 
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
@@ -322,7 +322,7 @@ def test_rope_scaling_llama3_matches_transformers():
 
 
 def test_unsupported_rope_type_is_refused():
-    from spmd_engine.model.rotary import inv_frequencies
+    from spmd_engine.model.layers.rotary import inv_frequencies
 
     with pytest.raises(ValueError, match="yarn"):
         inv_frequencies(16, 10000.0, {"rope_type": "yarn", "factor": 2.0})

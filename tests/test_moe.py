@@ -24,10 +24,10 @@ import torch
 from conftest import require_reference
 from spmd_engine import LLM, SamplingParams
 from spmd_engine.config import ConfigError
-from spmd_engine.model.llama import CausalLM
+from spmd_engine.model.models.llama import CausalLM
 from spmd_engine.model.loader import checkpoint_files, read_hf_config
-from spmd_engine.model.moe import expert_outputs
-from spmd_engine.model.moe_routing import route
+from spmd_engine.model.layers.fused_moe import expert_outputs
+from spmd_engine.model.layers.moe_routing import route
 from spmd_engine.model.partition import check_model_parallel
 from spmd_engine.model.solo import SoloGroup
 from test_hf_reference import copy_with_config, disagreements, engine_outputs, hf_logprobs, hf_model, prompts_for
@@ -310,7 +310,7 @@ def test_update_weights_reaches_only_the_expert_holders(checkpoints):
     """A trainer's full HF-named tensors (RL weight sync): each EP rank copies its own experts'
     tensors and skips the others'; with packing on, the packed experts follow the update."""
     from safetensors.torch import load_file
-    from spmd_engine.model.packed_weights import pack_linear_weights
+    from spmd_engine.model.layers.packed_weights import pack_linear_weights
     path = checkpoints["qwen3moe-normtopk-step2-headdim32"]  # sparse layers 1 and 3, 8 experts
     state = load_file(str(path / "model.safetensors"))
     name = "model.layers.1.mlp.experts.5.down_proj.weight"

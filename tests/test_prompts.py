@@ -3,7 +3,7 @@
 import pytest
 
 from spmd_engine.config import ConfigError
-from spmd_engine.prompts import DEFAULT_PROMPT, PromptInput, load_prompts
+from spmd_engine.run.prompts import DEFAULT_PROMPT, PromptInput, load_prompts
 
 
 def test_cli_prompts_and_default():

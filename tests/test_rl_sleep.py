@@ -95,7 +95,7 @@ def test_sleep_bad_input_and_refusals(ckpt):
         with pytest.raises(ValueError, match=r"tags=\['x'\]"):
             llm.wake_up(tags=["x"])
         # A request holding blocks (as if a generate were still running): sleep refuses.
-        from spmd_engine.engine.request import Request
+        from spmd_engine.core.request import Request
         engine = llm.llm_engine
         engine.add_request(Request("held", [1, 2, 3], GREEDY, seed=0))
         engine.step()

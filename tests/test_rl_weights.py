@@ -257,8 +257,8 @@ def test_every_checkpoint_tensor_is_known_and_an_update_equals_a_fresh_load(tmp_
     """hf_tensor_shapes names every tensor of each architecture with its shape, and after
     update_weights(new) every parameter equals the one a fresh load of `new` gives."""
     from spmd_engine.model import load_model
-    from spmd_engine.model.llama import hf_tensor_shapes
-    from spmd_engine.model.packed_weights import pack_linear_weights
+    from spmd_engine.model.weights import hf_tensor_shapes
+    from spmd_engine.model.layers.packed_weights import pack_linear_weights
     from spmd_engine.model.solo import SoloGroup
     old = make_tiny_checkpoint(tmp_path / "old", seed=0, **config)
     new = make_tiny_checkpoint(tmp_path / "new", seed=1, **config)

@@ -192,7 +192,7 @@ def test_usage_error_line_survives_a_slow_rank0(tmp_path):
     script = tmp_path / "slow_rank0.py"
     script.write_text("import os, sys, time\n"
                       "if os.environ.get('RANK') == '0':\n    time.sleep(2)\n"
-                      "from spmd_engine.run import main\nsys.exit(main(sys.argv[1:]))\n")
+                      "from spmd_engine.run.main import main\nsys.exit(main(sys.argv[1:]))\n")
     launch = run_torchrun(3, [script, "-tp", 2], timeout=100)
     assert not launch.timed_out and launch.returncode == 1, launch.describe()
     assert "error: world size 3 is not a multiple of TP x PP x PCP x DP = 2x1x1x1 = 2" in launch.stderr

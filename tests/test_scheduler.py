@@ -7,12 +7,12 @@ import sys
 import pytest
 
 from spmd_engine.config import ConfigError, SchedulerConfig
-from spmd_engine.engine.block_pool import BlockPool, chain_hash
-from spmd_engine.engine.kv_cache_manager import KVCacheManager
-from spmd_engine.engine.request import Request
-from spmd_engine.engine.scheduler import Scheduler
+from spmd_engine.core.block_pool import BlockPool, chain_hash
+from spmd_engine.core.kv_cache_manager import KVCacheManager
+from spmd_engine.core.request import Request
+from spmd_engine.core.scheduler import Scheduler
 from spmd_engine.sampling_params import SamplingParams
-from spmd_engine.step_messages import ModelRunnerOutput
+from spmd_engine.core.step_messages import ModelRunnerOutput
 
 EOS = 99
 
@@ -47,7 +47,7 @@ def test_chain_hash_depends_on_the_whole_prefix_and_is_stable():
     assert a == chain_hash(None, [1, 2, 3, 4])  # no per-process salt (sha256, not hash())
     assert chain_hash(a, [5, 6]) != chain_hash(chain_hash(None, [9, 2, 3, 4]), [5, 6])
     # Another interpreter with another hash seed computes the same bytes.
-    code = "from spmd_engine.engine.block_pool import chain_hash; print(chain_hash(None, [1, 2, 3, 4]).hex())"
+    code = "from spmd_engine.core.block_pool import chain_hash; print(chain_hash(None, [1, 2, 3, 4]).hex())"
     for seed in ("1", "2"):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                              env={**os.environ, "PYTHONHASHSEED": seed}, check=True).stdout.strip()

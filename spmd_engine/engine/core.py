@@ -6,11 +6,11 @@ import logging
 from collections import deque
 from typing import Callable, Iterator
 
-from spmd_engine import kv_sizing
+from spmd_engine.worker import kv_sizing
 from spmd_engine.config import EngineConfig
-from spmd_engine.engine.kv_cache_manager import KVCacheManager
-from spmd_engine.engine.request import Request
-from spmd_engine.engine.scheduler import Scheduler
+from spmd_engine.core.kv_cache_manager import KVCacheManager
+from spmd_engine.core.request import Request
+from spmd_engine.core.scheduler import Scheduler
 from spmd_engine.engine.stop_strings import StopStringWatcher
 from spmd_engine.executor.abstract import Executor
 

@@ -27,7 +27,7 @@ from multiprocessing.connection import wait
 from spmd_engine import topology
 from spmd_engine.config import EngineConfig
 from spmd_engine.engine.core import EngineDeadError, ProgressCallback
-from spmd_engine.engine.request import Request
+from spmd_engine.core.request import Request
 from spmd_engine.executor.abstract import dumps_method, loads_method
 
 POLL_S = 0.2
@@ -37,7 +37,7 @@ class DPEngineClient:
     def __init__(self, config: EngineConfig, executor_class, max_model_len: int, eos: int | None):
         dp_size = config.parallel_config.data_parallel_size
         self.config = config
-        from spmd_engine.proc_util import created_from_main_thread, mp_context
+        from spmd_engine.executor.proc_util import created_from_main_thread, mp_context
         ctx = mp_context()
         self.procs: list[mp.Process] = []
         self.conns = []
@@ -182,7 +182,7 @@ def run_engine_core(config, executor_class, max_model_len, eos, name, conn, pare
                     log_level=logging.WARNING, parent_main_thread: bool = False) -> None:
     """Body of an EngineCore_DP{i} process: build the engine, then serve the front end."""
     from spmd_engine.engine.core import EngineCore
-    from spmd_engine.proc_util import die_with_parent, set_process_title
+    from spmd_engine.executor.proc_util import die_with_parent, set_process_title
     set_process_title(name)
     die_with_parent(parent_pid, parent_main_thread)
     signal.signal(signal.SIGTERM, _end_with_workers)

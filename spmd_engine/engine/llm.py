@@ -14,7 +14,8 @@ import pickle
 import random
 from typing import Any, Callable, Sequence
 
-from spmd_engine import kv_sizing, topology
+from spmd_engine import topology
+from spmd_engine.worker import kv_sizing
 from spmd_engine.config import (
     DEFAULT_MAX_NUM_SEQS, CacheConfig, ConfigError, EngineConfig, ModelConfig, ParallelConfig,
     SchedulerConfig,
@@ -22,7 +23,7 @@ from spmd_engine.config import (
 from spmd_engine.engine.core import EngineDeadError, ProgressCallback
 from spmd_engine.engine.dp_waves import needs_dp_coordinator
 from spmd_engine.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from spmd_engine.engine.request import Request
+from spmd_engine.core.request import Request
 from spmd_engine.engine.vllm_args import accept_vllm_kwargs, none_means_default
 from spmd_engine.sampling_params import SamplingParams
 
@@ -314,14 +315,14 @@ class LLM:
         before any worker sees it (a worker's exception would fail an mp executor)."""
         from collections.abc import Mapping
 
-        from spmd_engine.model.llama import _skipped_name, hf_tensor_shapes
+        from spmd_engine.model.weights import hf_tensor_shapes, is_skipped_name
         shapes = hf_tensor_shapes(self.model_spec)
         pairs = list(weights.items() if isinstance(weights, Mapping) else weights)
         for pair in pairs:
             if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and isinstance(pair[0], str)):
                 raise ValueError(f"load_weights expects (name, tensor) pairs, got {type(pair).__name__}")
             name, tensor = pair
-            if _skipped_name(name):
+            if is_skipped_name(name):
                 continue
             if name not in shapes:
                 raise ValueError(f"load_weights: unknown weight name {name!r} (not a tensor of this "

@@ -14,7 +14,7 @@ the scheduler's finish-reason check, beside the EOS ids, which runs first.
 
 from __future__ import annotations
 
-from spmd_engine.engine.request import Request
+from spmd_engine.core.request import Request
 
 INCOMPLETE = "\ufffd"  # what a decoder returns for the first bytes of a character split across tokens
 

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from spmd_engine.config import ConfigError
 from spmd_engine.executor.abstract import Executor, run_method
-from spmd_engine.worker import Worker
+from spmd_engine.worker.worker import Worker
 
 
 class UniProcExecutor(Executor):

@@ -48,7 +48,7 @@ class WorkerHandle:
 
 def start_worker(config, local_rank: int, rank: int, init_method: str | None, dp_local_rank: int,
                  rpc_handle: MessageQueueHandle, response_handle: MessageQueueHandle, name: str) -> WorkerHandle:
-    from spmd_engine.proc_util import created_from_main_thread, mp_context
+    from spmd_engine.executor.proc_util import created_from_main_thread, mp_context
     ctx = mp_context()
     reader, writer = ctx.Pipe(duplex=False)
     log_level = logging.getLogger("spmd_engine").getEffectiveLevel()
@@ -91,8 +91,8 @@ def worker_main(config, local_rank, rank, init_method, dp_local_rank, rpc_handle
                 ready_conn, parent_pid, name, log_level=logging.WARNING,
                 parent_main_thread: bool = False) -> None:
     from spmd_engine.executor.abstract import loads_method, run_method
-    from spmd_engine.proc_util import die_with_parent, set_process_title
-    from spmd_engine.worker import Worker
+    from spmd_engine.executor.proc_util import die_with_parent, set_process_title
+    from spmd_engine.worker.worker import Worker
     set_process_title(name)
     die_with_parent(parent_pid, parent_main_thread)
     logging.basicConfig(level=log_level, format=f"[{name}] %(message)s")

@@ -20,7 +20,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from spmd_engine.config import ConfigError
-from spmd_engine.model.llama import CausalLM, WeightLoadError
+from spmd_engine.model.models.llama import CausalLM
+from spmd_engine.model.weights import WeightLoadError
 from spmd_engine.model.partition import check_model_parallel
 
 BUNDLED_MODEL_DIR = Path(__file__).resolve().parent.parent / "bundled"
@@ -128,7 +129,7 @@ def load_model(model_dir: str | os.PathLike | None, tp_group, pp_group, dtype: s
 def dummy_weights(model: CausalLM, seed: int = 0):
     """Random full HF tensors for the names `model` holds, the same on every rank (so TP shards
     make one consistent model): norms 1, everything else N(0, 0.02)."""
-    from spmd_engine.model.llama import hf_tensor_shapes
+    from spmd_engine.model.weights import hf_tensor_shapes
     shapes = hf_tensor_shapes(model.spec)
     for name in sorted(model._update_targets()):
         gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from spmd_engine.config import ConfigError
-from spmd_engine.model.rotary import SUPPORTED_ROPE_TYPES, rope_type_of
+from spmd_engine.model.layers.rotary import SUPPORTED_ROPE_TYPES, rope_type_of
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")

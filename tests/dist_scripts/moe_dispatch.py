@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from spmd_engine.distributed.group_coordinator import GroupCoordinator
-from spmd_engine.model.moe import FusedMoE, expert_outputs
-from spmd_engine.model.moe_routing import route
+from spmd_engine.model.layers.fused_moe import FusedMoE, expert_outputs
+from spmd_engine.model.layers.moe_routing import route
 
 EXPERTS, HIDDEN, WIDTH, TOP_K = 4, 16, 8, 2
 

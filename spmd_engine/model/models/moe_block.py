@@ -16,10 +16,10 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from spmd_engine.model.mlp import SwiGLUMLP
-from spmd_engine.model.moe import FusedMoE
-from spmd_engine.model.moe_routing import route
-from spmd_engine.model.packed_weights import linear
+from spmd_engine.model.layers.mlp import SwiGLUMLP
+from spmd_engine.model.layers.fused_moe import FusedMoE
+from spmd_engine.model.layers.moe_routing import route
+from spmd_engine.model.layers.packed_weights import linear
 from spmd_engine.model.shard import replicated_weight_loader
 from spmd_engine.model.spec import ModelSpec
 

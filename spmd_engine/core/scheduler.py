@@ -28,9 +28,9 @@ from collections import deque
 from typing import Sequence
 
 from spmd_engine.config import SchedulerConfig
-from spmd_engine.engine.kv_cache_manager import KVCacheManager
-from spmd_engine.engine.request import Request
-from spmd_engine.step_messages import ModelRunnerOutput, NewRequestData, ScheduledSeq, SchedulerOutput
+from spmd_engine.core.kv_cache_manager import KVCacheManager
+from spmd_engine.core.request import Request
+from spmd_engine.core.step_messages import ModelRunnerOutput, NewRequestData, ScheduledSeq, SchedulerOutput
 
 
 class Scheduler:

@@ -11,8 +11,8 @@ the model to produce logits.
 
 from __future__ import annotations
 
-from spmd_engine.engine.block_pool import BlockPool, chain_hash
-from spmd_engine.engine.request import Request
+from spmd_engine.core.block_pool import BlockPool, chain_hash
+from spmd_engine.core.request import Request
 
 
 class KVCacheManager:

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spmd_engine.model.linear import MergedColumnParallelLinear, RowParallelLinear
+from spmd_engine.model.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 
 
 class SwiGLUMLP(nn.Module):

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spmd_engine.model.packed_weights import linear
+from spmd_engine.model.layers.packed_weights import linear
 from spmd_engine.model.shard import Loaded, check_shape, copy_into, divide, read_range
 
 # shard_id parts: HF's gate (w1), up (w3) and down (w2) projections of one expert

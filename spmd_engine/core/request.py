@@ -1,7 +1,7 @@
 """A request's life in the engine.
 
 The step messages the scheduler sends to the model runner live in
-`spmd_engine.step_messages` (re-exported here for callers that import them
+`spmd_engine.core.step_messages` (re-exported here for callers that import them
 from the engine).
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from spmd_engine.sampling_params import SamplingParams
-from spmd_engine.step_messages import (  # noqa: F401  (re-exported)
+from spmd_engine.core.step_messages import (  # noqa: F401  (re-exported)
     EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, NewRequestData, ScheduledSeq, SchedulerOutput,
 )
 

@@ -18,7 +18,7 @@ import torch
 
 from spmd_engine import topology
 from spmd_engine.config import EngineConfig
-from spmd_engine.step_messages import ModelRunnerOutput, SchedulerOutput
+from spmd_engine.core.step_messages import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("spmd_engine")
 
@@ -123,7 +123,7 @@ class Worker:
         init_distributed_environment(backend=backend, timeout_s=self.config.timeout_s)
 
     def load_model(self) -> None:
-        from spmd_engine.model_runner import ModelRunner
+        from spmd_engine.worker.model_runner import ModelRunner
         self.timings["load_start"] = time.time()
         self.model_runner = ModelRunner(self.config, self.device, self.tp_group, self.pp_group,
                                         moe_groups=self.moe_groups,
@@ -156,7 +156,7 @@ class Worker:
         """(blocks, bytes per token): this rank's budget in blocks, the minimum over the world."""
         import torch.distributed as dist
 
-        from spmd_engine import kv_sizing
+        from spmd_engine.worker import kv_sizing
         runner = self.model_runner
         per_token = runner.model.kv_bytes_per_token()
         budget = runner.kv_budget_bytes()

@@ -15,12 +15,12 @@ import sys
 import time
 
 from spmd_engine import topology
-from spmd_engine.cli_args import (
+from spmd_engine.run.cli_args import (
     EXIT_USAGE, UsageParser, add_cache_args, add_parallel_args, cache_kwargs_from_args, check_cache_args,
 )
 from spmd_engine.config import DEFAULT_MAX_NUM_SEQS, DTYPES, ConfigError
-from spmd_engine.output_parts import PartWriter, index_parts, job_identity, merge_parts, restarted
-from spmd_engine.prompts import PromptInput, load_prompts
+from spmd_engine.run.output_parts import PartWriter, index_parts, job_identity, merge_parts, restarted
+from spmd_engine.run.prompts import PromptInput, load_prompts
 from spmd_engine.sampling_params import SamplingParams
 from spmd_engine.topology import TopologyError
 
@@ -363,7 +363,7 @@ def prompts_to_do(args, prompts: list[PromptInput]) -> tuple[list[int], dict | N
 
 def print_records(records: list[dict]) -> None:
     """Without --output: every result on stdout, in input order (with --output the part
-    files are merged into the file instead; see spmd_engine.output_parts)."""
+    files are merged into the file instead; see spmd_engine.run.output_parts)."""
     for r in records:
         header = f"=== prompt {r['index']} ({r['finish_reason']}, {len(r['token_ids'])} tokens)"
         print(header)
@@ -454,7 +454,3 @@ def entry() -> None:
     except ImportError:  # pragma: no cover
         sys.exit(main())
     sys.exit(record(main)())
-
-
-if __name__ == "__main__":
-    entry()

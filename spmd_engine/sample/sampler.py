@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from spmd_engine import sample_draw
-from spmd_engine.logit_penalties import apply_penalties, mask_stop_ids
+from spmd_engine.sample import draw as sample_draw
+from spmd_engine.sample.penalties import apply_penalties, mask_stop_ids
 from spmd_engine.sampling_params import SamplingParams
 
 

@@ -11,12 +11,12 @@ import json
 import os
 import sys
 
-from spmd_engine.cli_args import (
+from spmd_engine.run.cli_args import (
     EXIT_USAGE, UsageParser, add_cache_args, add_parallel_args, check_cache_args, parallel_config_from_args,
 )
 from spmd_engine.config import ConfigError, ParallelConfig, launched_by_torchrun
-from spmd_engine.plan_moe import render_moe_plan
-from spmd_engine.plan_report import plan_dict, render_plan
+from spmd_engine.plan.moe import render_moe_plan
+from spmd_engine.plan.report import plan_dict, render_plan
 from spmd_engine.topology import Layout, TopologyError
 
 
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def kv_plan_from_args(args, parallel: ParallelConfig) -> dict:
     """The KV budget per rank for --model at this layout (imports torch: only with --model)."""
-    from spmd_engine.cli_args import cache_kwargs_from_args
+    from spmd_engine.run.cli_args import cache_kwargs_from_args
     from spmd_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from spmd_engine.engine.input_processor import InputProcessor
     from spmd_engine.engine.llm import front_end_kv_plan
@@ -126,7 +126,7 @@ def kv_plan_from_args(args, parallel: ParallelConfig) -> dict:
 
 def moe_plan_from_args(args, config: ParallelConfig, layout: Layout) -> dict | None:
     """MoE traffic and expert placement: for a MoE --model, or with --enable-expert-parallel."""
-    from spmd_engine.plan_moe import moe_plan
+    from spmd_engine.plan.moe import moe_plan
     spec = None
     if args.model:
         from spmd_engine.config import ModelConfig
@@ -154,7 +154,3 @@ def _live(config: ParallelConfig, layout: Layout) -> int:
     if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
         print(verdict, flush=True)
     return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spmd_engine.model.packed_weights import linear
+from spmd_engine.model.layers.packed_weights import linear
 from spmd_engine.model.shard import Loaded, check_shape, copy_into, read_range
 
 VOCAB_PADDING = 64

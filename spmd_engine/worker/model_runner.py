@@ -16,10 +16,10 @@ import os
 
 import torch
 
-from spmd_engine import kv_sizing
+from spmd_engine.worker import kv_sizing
 from spmd_engine.config import EngineConfig
-from spmd_engine.sampler import Sampler, logprob_entries
-from spmd_engine.step_messages import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, SchedulerOutput
+from spmd_engine.sample.sampler import Sampler, logprob_entries
+from spmd_engine.core.step_messages import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("spmd_engine")
 
@@ -46,7 +46,7 @@ class ModelRunner:
     # -- start-up ---------------------------------------------------------------
     def load_model(self) -> None:
         from spmd_engine.model.loader import load_model
-        from spmd_engine.model.packed_weights import pack_linear_weights, packing_applies
+        from spmd_engine.model.layers.packed_weights import pack_linear_weights, packing_applies
         mc = self.config.model_config
         self.model = load_model(mc.model_dir, self.tp_group, self.pp_group, dtype=mc.dtype,
                                 device=self.device, pp_partition=mc.pp_partition,
@@ -194,7 +194,7 @@ class ModelRunner:
         """One token through this stage, for a replica with no work during a DP wave: its expert
         layers' collectives meet the busy replicas'. No KV write (the token attends only to
         itself), no logits, no output; counted in the stats as a dummy step."""
-        from spmd_engine.model.attention import AttentionMetadata
+        from spmd_engine.model.layers.attention import AttentionMetadata
         attn = AttentionMetadata.build([0], [1], [[0]], self.block_size, self.device)
         attn.slot_mapping = None
         first, last = self.pp_group.is_first_rank, self.pp_group.is_last_rank
@@ -206,7 +206,7 @@ class ModelRunner:
         self.stats["dummy_steps"] += 1
 
     def _prepare_inputs(self, out: SchedulerOutput):
-        from spmd_engine.model.attention import AttentionMetadata
+        from spmd_engine.model.layers.attention import AttentionMetadata
         context, lens, tables = [], [], []
         prefill = 0
         for s in out.seqs:

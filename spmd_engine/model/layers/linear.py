@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from spmd_engine.model.packed_weights import linear
+from spmd_engine.model.layers.packed_weights import linear
 from spmd_engine.model.shard import (
     Loaded,
     check_shape,

@@ -1,0 +1,1 @@
+"""The scheduler and its KV block bookkeeping: pure, deterministic, no torch."""

@@ -1,0 +1,1 @@
+"""Whole decoder models built from the parallel layers."""

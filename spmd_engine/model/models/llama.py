@@ -1,0 +1,228 @@
+"""Llama-family causal LM (Llama, Mistral, Qwen2, Qwen3 and the MoE Mixtral,
+Qwen2-MoE, Qwen3-MoE), one pipeline stage of it.
+
+One class serves them all: they differ in which projections carry a bias,
+whether q and k are RMS-normalised per head (Qwen3), and whether a layer's MLP
+is dense or a sparse MoE block (moe_block.py), all read from config.json by
+ModelSpec. A rank builds
+only its stage: stage 0 owns the embedding, the last stage the final norm and
+the LM head (for tied embeddings the last stage loads the embedding matrix as
+its head), and every stage owns its layers' TP shards. Parameter names match
+HF checkpoints except the fused `qkv_proj` / `gate_up_proj`, which
+`checkpoint_tensors` (model/weights.py) maps back to the separate HF tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from spmd_engine.config import ConfigError
+from spmd_engine.model.layers.attention import Attention, AttentionMetadata
+from spmd_engine.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from spmd_engine.model.layers.linear import QKVParallelLinear, RowParallelLinear
+from spmd_engine.model.layers.mlp import SwiGLUMLP
+from spmd_engine.model.layers.norm import RMSNorm
+from spmd_engine.model.layers.rotary import RotaryEmbedding, apply_rotary
+from spmd_engine.model.models.moe_block import SparseMoeBlock
+from spmd_engine.model.partition import check_model_parallel, pp_layer_range
+from spmd_engine.model.spec import ModelSpec
+from spmd_engine.model.weights import CausalLMWeights
+
+class LlamaAttention(nn.Module):
+    def __init__(self, spec: ModelSpec, tp_group, dtype: torch.dtype):
+        super().__init__()
+        self.head_dim = spec.head_dim
+        self.qkv_proj = QKVParallelLinear(spec.hidden_size, spec.head_dim, spec.num_heads, spec.num_kv_heads,
+                                          tp_group, bias=spec.qkv_bias, dtype=dtype)
+        self.o_proj = RowParallelLinear(spec.num_heads * spec.head_dim, spec.hidden_size, tp_group,
+                                        bias=spec.o_bias, dtype=dtype)
+        self.attn = Attention(self.qkv_proj.num_heads_per_rank, self.qkv_proj.num_kv_heads_per_rank,
+                              spec.head_dim, spec.head_dim ** -0.5)
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype=dtype) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype=dtype) if spec.qk_norm else None
+
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
+                attn: AttentionMetadata | None):
+        """`rope`: this step's (cos, sin) from the model's RotaryEmbedding. `hidden` is
+        [N, H] packed tokens with `attn`, or [B, T, H] rows without (no cache)."""
+        lead = hidden.shape[:-1]
+        qkv = self.qkv_proj(hidden)
+        q_and_k = self.qkv_proj.q_size + self.qkv_proj.kv_size
+        # q and k sit side by side in the fused output: rotate them in one pass.
+        heads = [self.qkv_proj.num_heads_per_rank, self.qkv_proj.num_kv_heads_per_rank]
+        qk = qkv[..., :q_and_k].view(*lead, -1, self.head_dim)
+        if self.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k before RoPE
+            q, k = qk.split(heads, dim=-2)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=-2)
+        q, k = apply_rotary(qk, *rope).split(heads, dim=-2)
+        v = qkv[..., q_and_k:].view(*lead, -1, self.head_dim)
+        return self.o_proj(self.attn(q, k, v, attn))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block; the residual stream travels beside the hidden state."""
+
+    def __init__(self, spec: ModelSpec, tp_group, dtype: torch.dtype, layer: int = 0, moe: dict | None = None):
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype)
+        self.self_attn = LlamaAttention(spec, tp_group, dtype)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype)
+        if spec.is_moe_layer(layer):
+            self.mlp = SparseMoeBlock(spec, tp_group, dtype=dtype, **(moe or {"moe_group": tp_group,
+                                                                              "expert_parallel": False}))
+        else:
+            self.mlp = SwiGLUMLP(spec.hidden_size, spec.intermediate_size, tp_group, bias=spec.mlp_bias,
+                                 dtype=dtype)
+
+    def forward(self, rope, hidden, residual, attn):
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(rope, hidden, attn)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    """The `model.` prefix of HF checkpoints: embedding, this stage's layers, norm.
+
+    One RotaryEmbedding serves every layer (it has no weights): its cos/sin
+    are computed once per step.
+    """
+
+    def __init__(self, spec: ModelSpec, tp_group, layer_range: tuple[int, int], first: bool, last: bool,
+                 dtype: torch.dtype, moe: dict | None = None):
+        super().__init__()
+        self.embed_tokens = (VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp_group, dtype=dtype)
+                             if first else None)
+        # Keyed by the global layer index so parameter names match the checkpoint.
+        self.layers = nn.ModuleDict(
+            {str(i): LlamaDecoderLayer(spec, tp_group, dtype, i, moe) for i in range(*layer_range)}
+        )
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype) if last else None
+        self.rotary_emb = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling)
+
+
+class CausalLM(CausalLMWeights, nn.Module):
+    """One rank's part of a Llama-family model: its PP stage, its TP shard.
+
+    Built from a HF config dict; parameters are allocated but not initialised
+    (use `load_model`, or `load_weights`). `forward` runs this stage: the first
+    stage embeds `input_ids`, later stages continue from `intermediate`; a
+    non-last stage returns {"hidden_states", "residual"} for the next stage,
+    the last returns {"hidden_states"} after the final norm, which
+    `compute_logits` turns into full-vocabulary float32 logits.
+
+    MoE layers shard their experts over `moe_group` (default: the TP group):
+    by width, or whole experts with `expert_parallel` (then `moe_group` is the
+    EP group); `dispatch_group` (the DP group, when the EP group spans DP
+    replicas) is where tokens are all-gathered (see moe.py). A dense model
+    ignores all three.
+    """
+
+    def __init__(self, hf_config: Mapping[str, Any], tp_group, pp_group, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu", pp_partition: str | None = None, moe_group=None,
+                 expert_parallel: bool = False, dispatch_group=None):
+        super().__init__()
+        moe_group = moe_group if moe_group is not None else tp_group
+        spec = check_model_parallel(hf_config, tp_group.world_size, pp_group.world_size,
+                                    ep_size=moe_group.world_size if expert_parallel else None)
+        self.spec = spec
+        self.tp_group = tp_group
+        self.pp_group = pp_group
+        self.is_first_stage = pp_group.is_first_rank
+        self.is_last_stage = pp_group.is_last_rank
+        self.start_layer, self.end_layer = pp_layer_range(spec.num_layers, pp_group.rank_in_group,
+                                                          pp_group.world_size, pp_partition)
+        with torch.device(device):
+            moe = dict(moe_group=moe_group, expert_parallel=expert_parallel, dispatch_group=dispatch_group)
+            self.model = LlamaModel(spec, tp_group, (self.start_layer, self.end_layer),
+                                    self.is_first_stage, self.is_last_stage, dtype, moe)
+            self.lm_head = (ParallelLMHead(spec.vocab_size, spec.hidden_size, tp_group, dtype=dtype)
+                            if self.is_last_stage else None)
+        self.tie_weights()
+
+    # ---- shape facts the worker needs to size the KV cache ----
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    @property
+    def num_kv_heads_per_rank(self) -> int:
+        return self._attention_layers()[0].num_kv_heads
+
+    def _attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers.values()]
+
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token in every layer of this stage, this rank's heads."""
+        per_layer = 2 * self.num_kv_heads_per_rank * self.spec.head_dim
+        return per_layer * len(self.model.layers) * self.dtype.itemsize
+
+    def check_max_model_len(self, max_model_len: int) -> None:
+        window = self.spec.sliding_window
+        if window is not None and max_model_len > window:
+            raise ConfigError(
+                f"max_model_len {max_model_len} exceeds this model's sliding_window {window}; "
+                f"sliding-window attention is not implemented, use --max-model-len <= {window}"
+            )
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
+        return (num_blocks, block_size, self.num_kv_heads_per_rank, self.spec.head_dim)
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, zeros=torch.zeros) -> None:
+        """Zeroed K and V blocks for every layer of this stage, bound to the layers."""
+        shape = self.kv_cache_shape(num_blocks, block_size)
+        self.bind_kv_cache([(zeros(shape, dtype=self.dtype, device=self.device),
+                             zeros(shape, dtype=self.dtype, device=self.device)) for _ in self._attention_layers()])
+
+    def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(a.k_cache, a.v_cache) for a in self._attention_layers()]
+
+    def bind_kv_cache(self, caches: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:
+        """Give each layer its (K, V) block tensors, in layer order; None drops them."""
+        layers = self._attention_layers()
+        if caches is None:
+            caches = [(None, None)] * len(layers)
+        if len(caches) != len(layers):
+            raise ValueError(f"{len(caches)} caches for {len(layers)} layers")
+        for attention, (k, v) in zip(layers, caches):
+            attention.set_kv_cache(k, v)
+
+    # ---- compute ----
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, attn: AttentionMetadata | None,
+                intermediate: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Packed tokens [N] (ids and positions) with `attn`; [B, T] rows without a cache."""
+        if self.is_first_stage:
+            hidden, residual = self.model.embed_tokens(input_ids), None
+        else:
+            if intermediate is None:
+                raise ValueError("a later pipeline stage needs `intermediate` from the previous stage")
+            hidden, residual = intermediate["hidden_states"], intermediate["residual"]
+        rope = self.model.rotary_emb.cos_sin(positions, hidden.dtype)
+        for layer in self.model.layers.values():
+            hidden, residual = layer(rope, hidden, residual, attn)
+        if not self.is_last_stage:
+            return {"hidden_states": hidden, "residual": residual}
+        hidden, _ = self.model.norm(hidden, residual)
+        return {"hidden_states": hidden}
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, H] final hidden states -> [N, vocab_size] float32, identical on every TP rank."""
+        if self.lm_head is None:
+            raise RuntimeError("compute_logits runs on the last pipeline stage only")
+        return self.lm_head.compute_logits(hidden)
+
+    # ---- weights ----
+    def tie_weights(self) -> None:
+        """Share the embedding with the head when both live here (again after to_empty)."""
+        if self.spec.tie_word_embeddings and self.is_first_stage and self.is_last_stage:
+            self.lm_head.weight = self.model.embed_tokens.weight

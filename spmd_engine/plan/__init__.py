@@ -1,0 +1,1 @@
+"""`python -m spmd_engine.plan`: the layout of a launch, before the launch."""

@@ -1,0 +1,1 @@
+"""`python -m spmd_engine.run`: the batch-generation command line."""

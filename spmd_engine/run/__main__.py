@@ -1,0 +1,3 @@
+from spmd_engine.run.main import entry
+
+entry()

@@ -1,0 +1,1 @@
+"""Turning logits into tokens: the sampler, its random draw, logit penalties."""

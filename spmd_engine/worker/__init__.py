@@ -1,0 +1,1 @@
+"""One rank: its Worker (device, groups, RPC surface), its ModelRunner, KV sizing."""
