@@ -17,7 +17,10 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
 class ConfigError(ValueError):
-    """A user-facing configuration mistake: the CLIs turn it into exit code 2."""
+    """A user-facing configuration mistake: the CLIs turn it into exit code 2. `flag`, when
+    set, names the command-line flag the bad value came from (the CLIs print it first)."""
+
+    flag: str | None = None
 
 
 def launched_by_torchrun(environ: Mapping[str, str]) -> bool:

@@ -51,6 +51,16 @@ class Layout:
             )
         return cls(tp=tp, pp=pp, pcp=pcp, dcp=dcp, dp=dp, external_dp=launched_world // needed)
 
+    @classmethod
+    def of(cls, parallel_config, launched_world: int | None = None) -> "Layout":
+        """The layout of a ParallelConfig (read by its attribute names: this module imports
+        nothing of ours), in a launch of `launched_world` ranks (None: no external DP)."""
+        pc = parallel_config
+        tp, pp, pcp, dp = (pc.tensor_parallel_size, pc.pipeline_parallel_size,
+                           pc.prefill_context_parallel_size, pc.data_parallel_size)
+        world = tp * pp * pcp * dp if launched_world is None else launched_world
+        return cls.for_world(world, tp=tp, pp=pp, pcp=pcp, dcp=pc.decode_context_parallel_size, dp=dp)
+
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
         return (self.external_dp, self.dp, self.pp, self.pcp, self.tp)

@@ -19,15 +19,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from spmd_engine import topology
+from spmd_engine import envs, topology
 from spmd_engine.config import ConfigError, ParallelConfig
 from spmd_engine.distributed.group_coordinator import GroupCoordinator
 from spmd_engine.distributed.launch_env import nccl_env_defaults, read_launch_env
 
 logger = logging.getLogger("spmd_engine")
 
-TIMEOUT_ENV = "SPMD_ENGINE_TIMEOUT_S"
-DEFAULT_TIMEOUT_S = 300.0
+TIMEOUT_ENV = envs.TIMEOUT_S
+DEFAULT_TIMEOUT_S = envs.DEFAULT_TIMEOUT_S
 AXES_IN_ORDER = ("world", "tp", "dcp", "pcp", "pp", "dp", "ep")
 
 
@@ -48,16 +48,7 @@ _STATE = _State()
 
 
 def default_timeout_s() -> float:
-    raw = os.environ.get(TIMEOUT_ENV)
-    if not raw:
-        return DEFAULT_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
-    if value <= 0:
-        raise ConfigError(f"{TIMEOUT_ENV} must be > 0, got {raw}")
-    return value
+    return envs.timeout_s()
 
 
 def _device_backend(default_backend: str) -> str:
@@ -118,7 +109,7 @@ def _launch_store(method: str, rank: int, world_size: int) -> dist.Store:
         _STATE.launch_store, _, _ = next(dist.rendezvous(method, rank=rank, world_size=world_size,
                                                          timeout=_STATE.timeout))
     _STATE.worlds_made += 1
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "") or "0"
+    attempt = envs.restart_attempt()
     return dist.PrefixStore(f"spmd_engine/attempt{attempt}/world{_STATE.worlds_made}/", _STATE.launch_store)
 
 
@@ -128,12 +119,8 @@ def layout_for_world(parallel_config: ParallelConfig, launched_world: int) -> to
     Under a launcher the world must hold every DP replica; so must the one world
     that engine-spawned workers (mp / uni) of all DP replicas join.
     """
-    pc = parallel_config
-    dp = pc.data_parallel_size
     try:
-        return topology.Layout.for_world(
-            launched_world, tp=pc.tensor_parallel_size, pp=pc.pipeline_parallel_size,
-            pcp=pc.prefill_context_parallel_size, dcp=pc.decode_context_parallel_size, dp=dp)
+        return topology.Layout.of(parallel_config, launched_world)
     except topology.TopologyError as exc:
         raise ConfigError(str(exc)) from None
 

@@ -16,9 +16,10 @@ from __future__ import annotations
 import os
 from typing import Mapping
 
-from spmd_engine.config import ConfigError, ParallelConfig
+from spmd_engine import envs
+from spmd_engine.config import ParallelConfig
 
-WAVES_ENV = "SPMD_ENGINE_DP_WAVES"
+WAVES_ENV = envs.DP_WAVES
 # The config keys that give a mixture of experts its expert count: Mixtral, Qwen2/3-MoE, DeepSeek.
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 
@@ -30,9 +31,7 @@ def is_moe(hf_config: Mapping) -> bool:
 def needs_dp_coordinator(parallel_config: ParallelConfig, hf_config: Mapping,
                          environ: Mapping[str, str] = os.environ) -> bool:
     """True when the DP replicas of this model must run waves: DP > 1 and MoE (or forced)."""
-    forced = environ.get(WAVES_ENV, "auto")
-    if forced not in ("auto", "1"):
-        raise ConfigError(f"{WAVES_ENV}={forced!r}: expected 'auto' or '1'")
+    forced = envs.dp_waves(environ)
     if parallel_config.data_parallel_size == 1:
         return False
     return forced == "1" or is_moe(hf_config)

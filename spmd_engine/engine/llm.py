@@ -9,22 +9,17 @@ process per replica (DP > 1), and returns results complete and in input order.
 from __future__ import annotations
 
 import hashlib
-import os
 import pickle
 import random
 from typing import Any, Callable, Sequence
 
 from spmd_engine import topology
-from spmd_engine.worker import kv_sizing
-from spmd_engine.config import (
-    DEFAULT_MAX_NUM_SEQS, CacheConfig, ConfigError, EngineConfig, ModelConfig, ParallelConfig,
-    SchedulerConfig,
-)
+from spmd_engine.config import DEFAULT_MAX_NUM_SEQS, ConfigError
+from spmd_engine.engine.arg_utils import EngineArgs, EngineSetup
 from spmd_engine.engine.core import EngineDeadError, ProgressCallback
-from spmd_engine.engine.dp_waves import needs_dp_coordinator
 from spmd_engine.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from spmd_engine.core.request import Request
-from spmd_engine.engine.vllm_args import accept_vllm_kwargs, none_means_default
+from spmd_engine.engine.vllm_args import accept_vllm_kwargs
 from spmd_engine.sampling_params import SamplingParams
 
 SEED_MASK = (1 << 63) - 1
@@ -47,69 +42,44 @@ class LLM:
                  kv_cache_memory_bytes: int | None = None, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  load_format: str = "auto", enable_sleep_mode: bool = False, **vllm_kwargs):
-        """vLLM's arguments and meanings. `seed` is the engine seed (None: 0): requests without
-        their own seed draw from a stream it starts, fresh on every generate call; under
-        external_launcher it must be given, the same on every rank of a replica (vLLM's rule).
-        Other vLLM arguments are accepted and ignored, with one warning (see vllm_args). As in
-        vLLM, None for a sizing argument (trainers pass None for what their user left unset)
-        means its default."""
-        from spmd_engine.engine.input_processor import InputProcessor
-        from spmd_engine.model.partition import (check_model_parallel, expert_parallel_size,
-                                                  moe_width_ranks_across_dp, parse_pp_partition)
+        """vLLM's arguments and meanings. `seed` is the engine seed (None: 0, as in vLLM):
+        requests without their own seed draw from a stream it starts, fresh on every generate
+        call; under external_launcher it must be the same on every rank of a replica
+        (checked). Other vLLM arguments are accepted and ignored, with one warning (see
+        vllm_args). As in vLLM, None for a sizing argument (trainers pass None for what their
+        user left unset) means its default."""
         accept_vllm_kwargs(vllm_kwargs)
-        max_num_seqs, block_size, gpu_memory_utilization = none_means_default(
-            max_num_seqs=max_num_seqs, block_size=block_size, gpu_memory_utilization=gpu_memory_utilization)
-
-        parallel = ParallelConfig(
-            tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-            prefill_context_parallel_size=prefill_context_parallel_size,
+        engine_args = EngineArgs(
+            model=model, tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+            data_parallel_size=data_parallel_size, prefill_context_parallel_size=prefill_context_parallel_size,
             decode_context_parallel_size=decode_context_parallel_size,
-            data_parallel_size=data_parallel_size, nnodes=nnodes,
-            enable_expert_parallel=enable_expert_parallel,
-            distributed_executor_backend=distributed_executor_backend,
-        )
-        seed = engine_seed(seed, parallel.distributed_executor_backend)
-        if parallel.prefill_context_parallel_size > 1 or parallel.decode_context_parallel_size > 1:
-            raise ConfigError("context parallelism (PCP/DCP > 1) is planned but not implemented in the "
-                              "model yet; use spmd_engine.plan to inspect such layouts")
-        model_config = ModelConfig(model=model, dtype=dtype, pp_partition=pp_partition, load_format=load_format)
-        self.inputs = InputProcessor(model_config.model_dir, max_model_len)
+            distributed_executor_backend=distributed_executor_backend, seed=seed, dtype=dtype,
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs, enable_expert_parallel=enable_expert_parallel,
+            pp_partition=pp_partition, device=device, timeout_s=timeout_s, nnodes=nnodes, block_size=block_size,
+            gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_memory_bytes,
+            max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
+            enable_chunked_prefill=enable_chunked_prefill, load_format=load_format)
+        self._start(engine_args.create_engine_config(), enable_sleep_mode)
+
+    @classmethod
+    def from_engine_setup(cls, setup: EngineSetup, enable_sleep_mode: bool = False) -> "LLM":
+        """An LLM on a configuration already built and checked (the run CLI checks its
+        prompts against it first)."""
+        llm = cls.__new__(cls)
+        llm._start(setup, enable_sleep_mode)
+        return llm
+
+    def _start(self, setup: EngineSetup, enable_sleep_mode: bool) -> None:
+        self.config, self.inputs, self.model_spec = setup.config, setup.inputs, setup.spec
         self.hf_config, self.tokenizer = self.inputs.hf_config, self.inputs.tokenizer
         self.max_model_len = self.inputs.max_model_len
-        source = os.path.join(model_config.model_dir, "config.json")
-        spec = check_model_parallel(self.hf_config, parallel.tensor_parallel_size,
-                                    parallel.pipeline_parallel_size, source=source)
-        ep_size = expert_parallel_size(parallel, spec)
-        across_dp = moe_width_ranks_across_dp(parallel, spec) if ep_size is None else None
-        if ep_size is not None or across_dp is not None:
-            check_model_parallel(self.hf_config, parallel.tensor_parallel_size,
-                                 parallel.pipeline_parallel_size, source=source, ep_size=ep_size,
-                                 expert_width_ranks=across_dp)
-        partition = pp_partition or os.environ.get("SPMD_ENGINE_PP_PARTITION")
-        if partition:
-            parse_pp_partition(partition, spec.num_layers, parallel.pipeline_parallel_size)
-        if timeout_s is None:
-            timeout_s = float(os.environ.get("SPMD_ENGINE_TIMEOUT_S", "300"))
-        cache = CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
-                            kv_cache_memory_bytes=kv_cache_memory_bytes,
-                            enable_prefix_caching=enable_prefix_caching)
-        scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                    enable_chunked_prefill=enable_chunked_prefill)
-        scheduler.resolve(self.max_model_len, block_size)
-        self.config = EngineConfig(
-            model_config=model_config, parallel_config=parallel, scheduler_config=scheduler,
-            cache_config=cache, seed=seed, device=device or _default_device(), timeout_s=timeout_s,
-            dp_waves=needs_dp_coordinator(parallel, self.hf_config),
-        )
-        check_kv_budget_up_front(self.config, self.hf_config, spec)
-        self.model_spec = spec
         self.enable_sleep_mode = bool(enable_sleep_mode)
         self._asleep: set[str] = set()  # the tags (weights, kv_cache) sleep gave back, until wake_up
         self._weights_discarded = False  # sleep(2) ran: generate checks the workers loaded weights since
-        self.seed = seed
+        self.seed = self.config.seed
         # Requests without a seed draw theirs from here, in input order, call after call: fresh
         # randomness on every generate, yet the same on every rank given the same engine seed.
-        self._seed_stream = random.Random(seed)
+        self._seed_stream = random.Random(self.seed)
         self._next_request = 0
         self._engine = self._make_engine()
 
@@ -340,8 +310,7 @@ class LLM:
             return 0
         from spmd_engine.distributed import get_world_group
         world = get_world_group()
-        layout = topology.Layout.for_world(world.world_size, tp=pc.tensor_parallel_size,
-                                           pp=pc.pipeline_parallel_size, dp=pc.data_parallel_size)
+        layout = topology.Layout.of(pc, world.world_size)
         return topology.replica_index(layout, topology.rank_to_coord(layout, world.rank))
 
     def shutdown(self) -> None:
@@ -360,17 +329,6 @@ class LLM:
             self.shutdown()
         except Exception:
             pass
-
-
-def engine_seed(seed: int | None, backend) -> int:
-    """LLM(seed=...): None means 0, as in vLLM (V1), under every backend. Under
-    external_launcher each rank samples for itself, so the ranks of a replica must agree on
-    it: generate checks that they do (a trainer passing seed=rank would get different text)."""
-    if seed is None:
-        return 0
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ConfigError(f"seed must be an integer, got seed={seed!r}")
-    return seed
 
 
 def tqdm_progress(use_tqdm, total: int, progress: ProgressCallback | None) -> ProgressCallback | None:
@@ -396,24 +354,6 @@ def tqdm_progress(use_tqdm, total: int, progress: ProgressCallback | None) -> Pr
     return advance
 
 
-def check_kv_budget_up_front(config: EngineConfig, hf_config, spec) -> None:
-    """An explicit (or CPU default) KV budget too small for one sequence is a usage error,
-    found before any process starts; workers check again with their device's numbers."""
-    plan = front_end_kv_plan(config, hf_config, spec)
-    if plan.budget_bytes is not None:
-        kv_sizing.check_fits(plan.num_blocks, plan.block_size, config.scheduler_config.max_model_len,
-                             plan.bytes_per_token, plan.budget_bytes)
-
-
-def front_end_kv_plan(config: EngineConfig, hf_config, spec) -> "kv_sizing.KVPlan":
-    from spmd_engine.model.loader import resolve_dtype
-    pc = config.parallel_config
-    itemsize = resolve_dtype(config.model_config.dtype, hf_config, config.device).itemsize
-    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    procs = int(os.environ.get("LOCAL_WORLD_SIZE", pc.world_size * pc.data_parallel_size))
-    return kv_sizing.plan_kv(config, spec, itemsize, available, procs)
-
-
 class _OutputRelay:
     """A progress callback that also hands each finished request on, as a RequestOutput."""
 
@@ -435,11 +375,6 @@ class _OutputRelay:
                 self.on_output(i, _to_output(samples, self.inputs))
         if self.progress is not None:
             self.progress(n, tokens)
-
-
-def _default_device() -> str:
-    import torch
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _to_output(samples: list[Request], inputs) -> RequestOutput:

@@ -13,13 +13,13 @@ overrides it.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Mapping, Sequence
 
+from spmd_engine import envs
 from spmd_engine.config import ConfigError
 from spmd_engine.model.spec import ModelSpec
 
-PP_PARTITION_ENV = "SPMD_ENGINE_PP_PARTITION"
+PP_PARTITION_ENV = envs.PP_PARTITION
 
 
 def check_model_parallel(hf_config: Mapping[str, Any], tp: int, pp: int, source: str = "config.json",
@@ -136,8 +136,8 @@ def pp_layer_range(num_layers: int, pp_rank: int, pp_size: int,
         raise ValueError(f"pp_rank {pp_rank} outside 0..{pp_size - 1}")
     if pp_size > num_layers:
         raise ConfigError(f"pipeline_parallel_size {pp_size} exceeds num_hidden_layers {num_layers}")
-    if partition is None and os.environ.get(PP_PARTITION_ENV):
-        counts = parse_pp_partition(os.environ[PP_PARTITION_ENV], num_layers, pp_size, PP_PARTITION_ENV)
+    if partition is None and envs.pp_partition():
+        counts = parse_pp_partition(envs.pp_partition(), num_layers, pp_size, PP_PARTITION_ENV)
     elif partition is not None:
         counts = parse_pp_partition(partition, num_layers, pp_size)
     else:

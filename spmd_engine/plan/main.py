@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         config = parallel_config_from_args(args)
         layout, backend = layout_for(config, world)
         check_cache_args(args)
-        kv = kv_plan_from_args(args, config) if args.model else None
+        kv = kv_plan_from_args(args) if args.model else None
         moe = moe_plan_from_args(args, config, layout)
     except (ConfigError, TopologyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -101,24 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def kv_plan_from_args(args, parallel: ParallelConfig) -> dict:
+def kv_plan_from_args(args) -> dict:
     """The KV budget per rank for --model at this layout (imports torch: only with --model)."""
-    from spmd_engine.run.cli_args import cache_kwargs_from_args
-    from spmd_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from spmd_engine.engine.input_processor import InputProcessor
-    from spmd_engine.engine.llm import front_end_kv_plan
-    from spmd_engine.model.partition import check_model_parallel
-    cache_kw = cache_kwargs_from_args(args)
-    model = ModelConfig(model=args.model, dtype=args.dtype)
-    processor = InputProcessor(model.model_dir, args.max_model_len)
-    spec = check_model_parallel(processor.hf_config, parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
-                                source=os.path.join(model.model_dir, "config.json"))
-    scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                max_num_batched_tokens=cache_kw.pop("max_num_batched_tokens"),
-                                enable_chunked_prefill=cache_kw.pop("enable_chunked_prefill"))
-    scheduler.resolve(processor.max_model_len, args.block_size)
-    config = EngineConfig(model, parallel, scheduler, CacheConfig(**cache_kw), device=args.device)
-    plan = front_end_kv_plan(config, processor.hf_config, spec)
+    from spmd_engine.engine.arg_utils import EngineArgs, front_end_kv_plan
+    setup = EngineArgs.from_cli_args(args).create_engine_config(check_kv_budget=False)
+    config, processor = setup.config, setup.inputs
+    plan = front_end_kv_plan(config, processor.hf_config, setup.spec)
     return {"bytes_per_token": plan.bytes_per_token, "budget_bytes": plan.budget_bytes,
             "block_size": plan.block_size, "num_blocks": plan.num_blocks, "budget_source": plan.source,
             "max_model_len": processor.max_model_len, "line": plan.describe(processor.max_model_len)}

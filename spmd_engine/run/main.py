@@ -14,15 +14,20 @@ import signal
 import sys
 import time
 
+from typing import TYPE_CHECKING
+
 from spmd_engine import topology
 from spmd_engine.run.cli_args import (
-    EXIT_USAGE, UsageParser, add_cache_args, add_parallel_args, cache_kwargs_from_args, check_cache_args,
+    EXIT_USAGE, UsageParser, add_cache_args, add_parallel_args, check_cache_args,
 )
 from spmd_engine.config import DEFAULT_MAX_NUM_SEQS, DTYPES, ConfigError
 from spmd_engine.run.output_parts import PartWriter, index_parts, job_identity, merge_parts, restarted
 from spmd_engine.run.prompts import PromptInput, load_prompts
 from spmd_engine.sampling_params import SamplingParams
 from spmd_engine.topology import TopologyError
+
+if TYPE_CHECKING:
+    from spmd_engine.engine.arg_utils import EngineSetup
 
 logger = logging.getLogger("spmd_engine")
 
@@ -75,40 +80,16 @@ def check_args(args) -> None:
         raise ConfigError(f"--output {args.output}: its directory does not exist")
 
 
-def check_model_and_prompts(args, prompts: list[PromptInput]) -> None:
-    """The model against the layout, then every prompt against the model: before any process starts."""
-    from spmd_engine.config import ModelConfig, SchedulerConfig
-    from spmd_engine.engine.input_processor import InputProcessor
+def check_model_and_prompts(args, prompts: list[PromptInput]) -> "EngineSetup":
+    """The engine's configuration (the model against the layout, the KV budget), the
+    checkpoint's headers, then every prompt against the model: before any process starts."""
+    from spmd_engine.engine.arg_utils import EngineArgs
     from spmd_engine.model.loader import check_checkpoint
-    from spmd_engine.model.partition import check_model_parallel
-    model_dir = ModelConfig(model=args.model).model_dir
-    processor = InputProcessor(model_dir, args.max_model_len)
-    ep_size = (args.data_parallel_size * args.prefill_context_parallel_size * args.tensor_parallel_size
-               if args.enable_expert_parallel else None)
-    check_model_parallel(processor.hf_config, args.tensor_parallel_size, args.pipeline_parallel_size,
-                         source=os.path.join(model_dir, "config.json"), ep_size=ep_size)
-    check_checkpoint(model_dir)
-    scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                enable_chunked_prefill=args.enable_chunked_prefill)
-    try:
-        scheduler.resolve(processor.max_model_len, args.block_size)
-    except ConfigError as exc:
-        raise ConfigError(f"--max-num-batched-tokens: {exc}") from None
+    setup = EngineArgs.from_cli_args(args).create_engine_config()
+    check_checkpoint(setup.config.model_config.model_dir)
     for index, prompt in enumerate(prompts):
-        processor.encode(prompt.as_llm_input(), index)
-
-
-def llm_from_args(args):
-    from spmd_engine import LLM
-    return LLM(model=args.model, tensor_parallel_size=args.tensor_parallel_size,
-               pipeline_parallel_size=args.pipeline_parallel_size,
-               data_parallel_size=args.data_parallel_size,
-               prefill_context_parallel_size=args.prefill_context_parallel_size,
-               decode_context_parallel_size=args.decode_context_parallel_size,
-               distributed_executor_backend=args.distributed_executor_backend, seed=args.seed,
-               dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-               enable_expert_parallel=args.enable_expert_parallel, pp_partition=args.pp_partition,
-               nnodes=args.nnodes, timeout_s=args.timeout, **cache_kwargs_from_args(args))
+        setup.inputs.encode(prompt.as_llm_input(), index)
+    return setup
 
 
 def result_record(index: int, prompt: PromptInput, out) -> dict:
@@ -181,14 +162,12 @@ def generate_records(llm, prompts: list[PromptInput], params: SamplingParams, in
     return [result_record(i, prompts[i], out) for i, out in zip(indices, outs)]
 
 
-def check_launched_world(args) -> None:
+def check_launched_world(setup: "EngineSetup") -> None:
     """The launcher's world must hold whole replicas: fail on every rank before any rendezvous."""
     from spmd_engine.distributed.launch_env import read_launch_env
     launch = read_launch_env(os.environ)
     if launch is not None:
-        topology.Layout.for_world(launch.world_size, tp=args.tensor_parallel_size,
-                                  pp=args.pipeline_parallel_size, pcp=args.prefill_context_parallel_size,
-                                  dp=args.data_parallel_size)
+        topology.Layout.of(setup.config.parallel_config, launch.world_size)
 
 
 def check_same_invocation(args, prompts: list[PromptInput]) -> None:
@@ -249,20 +228,20 @@ def log_engine_stats(llm, first_replica: int = 0) -> None:
                         first_replica + i, s["waves"], s["wave_steps"], s["dummy_steps"])
 
 
-def run_launched(args, prompts, params, todo: list[int], ident: dict | None) -> list[dict] | None:
+def run_launched(args, setup, prompts, params, todo: list[int], ident: dict | None) -> list[dict] | None:
     """Under torchrun/srun: this replica's share of `todo`, streamed to its part file (with
     --output) and merged by global rank 0, or gathered to global rank 0 and returned."""
     from spmd_engine.distributed import init_distributed_environment
     init_distributed_environment(timeout_s=args.timeout)
     check_same_invocation(args, prompts)
-    llm = llm_from_args(args)
+    from spmd_engine.engine.llm import LLM
+    llm = LLM.from_engine_setup(setup)
     try:
         from spmd_engine.distributed import get_world_group
         log_launch(llm)
         world = get_world_group()
         pc = llm.config.parallel_config
-        layout = topology.Layout.for_world(world.world_size, tp=pc.tensor_parallel_size,
-                                           pp=pc.pipeline_parallel_size, dp=pc.data_parallel_size)
+        layout = topology.Layout.of(pc, world.world_size)
         replica = llm.replica_index
         indices = todo[replica::layout.num_replicas]
         progress = None
@@ -316,8 +295,9 @@ def gather_records(records: list[dict], rank: int, is_replica_head: bool, heads:
     return sorted(merged, key=lambda r: r["index"])
 
 
-def run_local(args, prompts, params, todo: list[int], ident: dict | None) -> list[dict] | None:
-    llm = llm_from_args(args)
+def run_local(args, setup, prompts, params, todo: list[int], ident: dict | None) -> list[dict] | None:
+    from spmd_engine.engine.llm import LLM
+    llm = LLM.from_engine_setup(setup)
     try:
         progress = Progress(len(todo)) if progress_wanted(args) else None
         if args.output is None:
@@ -421,17 +401,20 @@ def main(argv: list[str] | None = None) -> int:
         check_args(args)
         prompts = load_prompts(args.prompt, args.prompts_file)
         params = sampling_params_from_args(args)
-        check_model_and_prompts(args, prompts)
-        todo, ident = prompts_to_do(args, prompts)
-        if _launched() and args.distributed_executor_backend in (None, "external_launcher"):
+        launched = _launched() and args.distributed_executor_backend in (None, "external_launcher")
+        if launched:
             args.distributed_executor_backend = "external_launcher"
-            check_launched_world(args)
-            records = run_launched(args, prompts, params, todo, ident)
+        setup = check_model_and_prompts(args, prompts)
+        todo, ident = prompts_to_do(args, prompts)
+        if launched:
+            check_launched_world(setup)
+            records = run_launched(args, setup, prompts, params, todo, ident)
         else:
-            records = run_local(args, prompts, params, todo, ident)
+            records = run_local(args, setup, prompts, params, todo, ident)
     except (ConfigError, TopologyError) as exc:
         if rank0:
-            print(f"error: {exc}", file=sys.stderr)
+            flag = getattr(exc, "flag", None)
+            print(f"error: {flag + ': ' if flag else ''}{exc}", file=sys.stderr)
         elif _launched():
             _let_rank0_report_first()
         return EXIT_USAGE

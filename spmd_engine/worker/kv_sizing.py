@@ -9,6 +9,7 @@ scheduler copy manages the same number of blocks.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from spmd_engine.config import CacheConfig, ConfigError, EngineConfig
@@ -22,6 +23,14 @@ CUDA_RESERVE_BYTES = 256 << 20  # CUDA context, allocator slack, collectives
 def kv_bytes_per_token(num_layers: int, num_kv_heads_per_rank: int, head_dim: int, itemsize: int) -> int:
     """K and V of one token across a stage's layers, on one rank."""
     return 2 * num_layers * num_kv_heads_per_rank * head_dim * itemsize
+
+
+def host_share(parallel_config) -> tuple[int, int]:
+    """(available host memory in bytes, this job's processes on the host) for the CPU budget."""
+    from spmd_engine import envs
+    pc = parallel_config
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return available, envs.local_world_size(pc.world_size * pc.data_parallel_size)
 
 
 def cpu_budget(cache: CacheConfig, available_bytes: int, procs_on_host: int) -> int:

@@ -12,7 +12,6 @@ rows that sample.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -83,10 +82,7 @@ class ModelRunner:
                                              spec.intermediate_size // tp, -(-spec.vocab_size // tp),
                                              sc.max_num_seqs, self.model.dtype.itemsize)
             return kv_sizing.cuda_budget(cache, total, free, act)
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        pc = self.config.parallel_config
-        procs = int(os.environ.get("LOCAL_WORLD_SIZE", pc.world_size * pc.data_parallel_size))
-        return kv_sizing.cpu_budget(cache, available, procs)
+        return kv_sizing.cpu_budget(cache, *kv_sizing.host_share(self.config.parallel_config))
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Per layer K and V blocks, zeroed (unwritten slots are read under a mask: they must be

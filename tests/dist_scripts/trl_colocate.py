@@ -21,7 +21,6 @@ import math
 import os
 import sys
 
-import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 

@@ -22,14 +22,15 @@ layer works the same packed or not.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
+
+from spmd_engine import envs
 from torch import nn
 
 # Set to 0 to keep plain row-major weights (for comparison, or to rule packing out).
-ENV_FLAG = "SPMD_ENGINE_CPU_PACKED_WEIGHTS"
+ENV_FLAG = envs.CPU_PACKED_WEIGHTS
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -42,7 +43,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def packing_applies(dtype: torch.dtype, device: torch.device) -> bool:
     """fp32, or bf16 where oneDNN has bf16 kernels, on CPU, when a trial matmul agrees
     with `F.linear`; unless switched off."""
-    if os.environ.get(ENV_FLAG, "1") == "0" or torch.device(device).type != "cpu":
+    if not envs.cpu_packed_weights() or torch.device(device).type != "cpu":
         return False
     ops = torch.ops.mkldnn
     if not (torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise")

@@ -1,0 +1,160 @@
+"""EngineArgs: every argument of an engine, and the one place they become an EngineConfig.
+
+`LLM(...)`, `python -m spmd_engine.run` and `python -m spmd_engine.plan` all come
+here (vLLM's `EngineArgs.create_engine_config()` shape), so a rule is checked once,
+in one order, with one message, before any process or collective exists: sizes,
+the checkpoint's config against TP/PP/EP, the PP partition, the step's token budget
+against max_model_len, and a KV budget too small for one sequence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, fields
+
+from spmd_engine import envs
+from spmd_engine.config import (
+    DEFAULT_MAX_NUM_SEQS, CacheConfig, ConfigError, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+)
+from spmd_engine.engine.dp_waves import needs_dp_coordinator
+from spmd_engine.engine.vllm_args import none_means_default
+from spmd_engine.worker import kv_sizing
+
+
+@dataclass
+class EngineArgs:
+    """vLLM's names, meanings and defaults (None for a sizing argument means its default)."""
+
+    model: str | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    prefill_context_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+    distributed_executor_backend: str | type | None = None
+    seed: int | None = None
+    dtype: str | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int | None = DEFAULT_MAX_NUM_SEQS
+    enable_expert_parallel: bool = False
+    pp_partition: str | None = None
+    device: str | None = None
+    timeout_s: float | None = None
+    nnodes: int = 1
+    block_size: int | None = 16
+    gpu_memory_utilization: float | None = 0.9
+    kv_cache_memory_bytes: int | None = None
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    load_format: str = "auto"
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        """The run and plan CLIs' flags (same names; `--timeout` is timeout_s)."""
+        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        if hasattr(args, "timeout"):
+            values["timeout_s"] = args.timeout
+        return cls(**values)
+
+    def create_parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size, pipeline_parallel_size=self.pipeline_parallel_size,
+            prefill_context_parallel_size=self.prefill_context_parallel_size,
+            decode_context_parallel_size=self.decode_context_parallel_size,
+            data_parallel_size=self.data_parallel_size, nnodes=self.nnodes,
+            enable_expert_parallel=self.enable_expert_parallel,
+            distributed_executor_backend=self.distributed_executor_backend,
+        )
+
+    def create_engine_config(self, check_kv_budget: bool = True) -> "EngineSetup":
+        """Checked in this order; `check_kv_budget=False` for a plan that reports the budget
+        instead of refusing it."""
+        from spmd_engine.engine.input_processor import InputProcessor
+        from spmd_engine.model.partition import (check_model_parallel, expert_parallel_size,
+                                                  moe_width_ranks_across_dp, parse_pp_partition)
+        max_num_seqs, block_size, gpu_memory_utilization = none_means_default(
+            max_num_seqs=self.max_num_seqs, block_size=self.block_size,
+            gpu_memory_utilization=self.gpu_memory_utilization)
+        parallel = self.create_parallel_config()
+        seed = engine_seed(self.seed)
+        if parallel.prefill_context_parallel_size > 1 or parallel.decode_context_parallel_size > 1:
+            raise ConfigError("context parallelism (PCP/DCP > 1) is planned but not implemented in the "
+                              "model yet; use spmd_engine.plan to inspect such layouts")
+        model_config = ModelConfig(model=self.model, dtype=self.dtype, pp_partition=self.pp_partition,
+                                   load_format=self.load_format)
+        inputs = InputProcessor(model_config.model_dir, self.max_model_len)
+        source = os.path.join(model_config.model_dir, "config.json")
+        spec = check_model_parallel(inputs.hf_config, parallel.tensor_parallel_size,
+                                    parallel.pipeline_parallel_size, source=source)
+        ep_size = expert_parallel_size(parallel, spec)
+        across_dp = moe_width_ranks_across_dp(parallel, spec) if ep_size is None else None
+        if ep_size is not None or across_dp is not None:
+            check_model_parallel(inputs.hf_config, parallel.tensor_parallel_size,
+                                 parallel.pipeline_parallel_size, source=source, ep_size=ep_size,
+                                 expert_width_ranks=across_dp)
+        partition = self.pp_partition or envs.pp_partition()
+        if partition:
+            parse_pp_partition(partition, spec.num_layers, parallel.pipeline_parallel_size)
+        cache = CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
+                            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                            enable_prefix_caching=self.enable_prefix_caching)
+        scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                                    enable_chunked_prefill=self.enable_chunked_prefill)
+        try:
+            scheduler.resolve(inputs.max_model_len, block_size)
+        except ConfigError as exc:
+            exc.flag = "--max-num-batched-tokens"
+            raise
+        config = EngineConfig(
+            model_config=model_config, parallel_config=parallel, scheduler_config=scheduler,
+            cache_config=cache, seed=seed, device=self.device or default_device(),
+            timeout_s=self.timeout_s if self.timeout_s is not None else envs.timeout_s(),
+            dp_waves=needs_dp_coordinator(parallel, inputs.hf_config),
+        )
+        if check_kv_budget:
+            check_kv_budget_up_front(config, inputs.hf_config, spec)
+        return EngineSetup(config, inputs, spec)
+
+
+@dataclass(frozen=True)
+class EngineSetup:
+    """A checked EngineConfig with what checking it read: the prompt processor (config.json,
+    tokenizer, max_model_len) and the model's spec."""
+
+    config: EngineConfig
+    inputs: "InputProcessor"  # noqa: F821 (imported lazily: it reads tokenizers)
+    spec: "ModelSpec"  # noqa: F821
+
+
+def engine_seed(seed: int | None) -> int:
+    """LLM(seed=...): None means 0, as in vLLM (V1), under every backend. Under
+    external_launcher each rank samples for itself, so the ranks of a replica must agree on
+    it: generate checks that they do (a trainer passing seed=rank would get different text)."""
+    if seed is None:
+        return 0
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ConfigError(f"seed must be an integer, got seed={seed!r}")
+    return seed
+
+
+def default_device() -> str:
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check_kv_budget_up_front(config: EngineConfig, hf_config, spec) -> None:
+    """An explicit (or CPU default) KV budget too small for one sequence is a usage error,
+    found before any process starts; workers check again with their device's numbers."""
+    plan = front_end_kv_plan(config, hf_config, spec)
+    if plan.budget_bytes is not None:
+        kv_sizing.check_fits(plan.num_blocks, plan.block_size, config.scheduler_config.max_model_len,
+                             plan.bytes_per_token, plan.budget_bytes)
+
+
+def front_end_kv_plan(config: EngineConfig, hf_config, spec) -> kv_sizing.KVPlan:
+    from spmd_engine.model.loader import resolve_dtype
+    itemsize = resolve_dtype(config.model_config.dtype, hf_config, config.device).itemsize
+    available, procs = kv_sizing.host_share(config.parallel_config)
+    return kv_sizing.plan_kv(config, spec, itemsize, available, procs)

@@ -1,0 +1,79 @@
+"""Every SPMD_ENGINE_* environment variable, read and checked in one place.
+
+A variable is read when its function is called (not at import), so a test or a
+launcher can set it late; a bad value is a ConfigError naming the variable, the
+same wherever it is read. Each function takes `environ` so callers can pass
+another mapping (a worker's, a test's).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping
+
+from spmd_engine.config import ConfigError
+
+TIMEOUT_S = "SPMD_ENGINE_TIMEOUT_S"
+PP_PARTITION = "SPMD_ENGINE_PP_PARTITION"
+DP_WAVES = "SPMD_ENGINE_DP_WAVES"
+WORKER_MULTIPROC_METHOD = "SPMD_ENGINE_WORKER_MULTIPROC_METHOD"
+CPU_PACKED_WEIGHTS = "SPMD_ENGINE_CPU_PACKED_WEIGHTS"
+DISABLE_SHM_ALLREDUCE = "SPMD_ENGINE_DISABLE_SHM_ALLREDUCE"
+DISABLE_SHM_HANDOFF = "SPMD_ENGINE_DISABLE_SHM_HANDOFF"
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def timeout_s(environ: Mapping[str, str] = os.environ) -> float:
+    """Limit of every collective and worker call, in seconds (default 300)."""
+    raw = environ.get(TIMEOUT_S)
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{TIMEOUT_S}={raw!r} is not a number of seconds") from None
+    if value <= 0:
+        raise ConfigError(f"{TIMEOUT_S} must be > 0, got {raw}")
+    return value
+
+
+def pp_partition(environ: Mapping[str, str] = os.environ) -> str | None:
+    """Layers per PP stage, e.g. "3,3,2" (checked against the model where it is used)."""
+    return environ.get(PP_PARTITION) or None
+
+
+def dp_waves(environ: Mapping[str, str] = os.environ) -> str:
+    """'auto' (waves for a mixture of experts under DP) or '1' (always, under DP)."""
+    forced = environ.get(DP_WAVES, "auto")
+    if forced not in ("auto", "1"):
+        raise ConfigError(f"{DP_WAVES}={forced!r}: expected 'auto' or '1'")
+    return forced
+
+
+def worker_multiproc_method(environ: Mapping[str, str] = os.environ) -> str:
+    """How mp workers and DP engine cores are started (default spawn, as vLLM)."""
+    return environ.get(WORKER_MULTIPROC_METHOD, "spawn")
+
+
+def cpu_packed_weights(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether CPU linear weights may be packed for oneDNN ("0" turns it off)."""
+    return environ.get(CPU_PACKED_WEIGHTS, "1") != "0"
+
+
+def shm_allreduce_enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    return environ.get(DISABLE_SHM_ALLREDUCE, "0") in ("", "0")
+
+
+def shm_handoff_enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    return environ.get(DISABLE_SHM_HANDOFF, "0") in ("", "0")
+
+
+def local_world_size(default: int, environ: Mapping[str, str] = os.environ) -> int:
+    """Processes of this job on this host: the launcher's LOCAL_WORLD_SIZE, else `default`."""
+    return int(environ.get("LOCAL_WORLD_SIZE", default))
+
+
+def restart_attempt(environ: Mapping[str, str] = os.environ) -> int:
+    """torchrun's restart attempt (TORCHELASTIC_RESTART_COUNT), 0 for the first."""
+    return int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
