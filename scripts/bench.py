@@ -391,7 +391,7 @@ def worst_decode_gap(llm, long_prompt: int, decodes: int = 7) -> tuple[float, in
     """Seconds between consecutive tokens of `decodes` running requests, worst case, over the
     steps from the long prompt's arrival to its first token; and the steps that took."""
     from spmd_engine import SamplingParams
-    engine = llm._engine
+    engine = llm.llm_engine
     short = [r for (r,) in llm._make_requests(prompts_for(decodes, 32, LLAMA_SHAPE["vocab_size"]),
                                               SamplingParams(max_tokens=4096, ignore_eos=True))]
     for r in short:

@@ -16,7 +16,7 @@ import pytest
 from launch import pid_alive
 
 from spmd_engine import LLM, SamplingParams
-from spmd_engine.engine.core import EngineDeadError
+from spmd_engine.engine.core_client import EngineDeadError
 
 
 def shm_names_of(pids) -> set[str]:
@@ -39,7 +39,7 @@ def test_a_worker_death_in_one_replica_fails_generate_within_2s():
     llm = LLM(data_parallel_size=2, tensor_parallel_size=2, max_num_seqs=1)
     try:
         workers = llm.collective_rpc(lambda w: os.getpid())  # replica 0's workers, then replica 1's
-        cores = [p.pid for p in llm._engine.procs]
+        cores = [p.pid for p in llm.llm_engine.procs]
         record: dict = {}
 
         def progress(n, tokens):

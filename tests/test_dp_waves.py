@@ -21,7 +21,7 @@ from engine_helpers import make_random_checkpoint, make_tiny_checkpoint, referen
 from launch import pid_alive, run_torchrun
 from spmd_engine import LLM, SamplingParams
 from spmd_engine.config import ConfigError, ParallelConfig
-from spmd_engine.engine.core import EngineDeadError
+from spmd_engine.engine.core_client import EngineDeadError
 from spmd_engine.engine.dp_waves import WAVES_ENV, needs_dp_coordinator
 
 SCRIPT = Path(__file__).resolve().parent / "dist_scripts" / "dp_waves.py"
@@ -156,7 +156,7 @@ def test_mp_moe_worker_death_in_one_replica_ends_both_promptly(moe):
     llm = LLM(model=str(moe), data_parallel_size=2, max_model_len=128, timeout_s=60, **EP)
     try:
         workers = llm.collective_rpc(lambda w: os.getpid())  # replica 0's worker, then replica 1's
-        cores = [p.pid for p in llm._engine.procs]
+        cores = [p.pid for p in llm.llm_engine.procs]
         record: dict = {}
 
         def progress(n, tokens):  # replica 1's short request finished: both still mid-wave

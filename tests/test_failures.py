@@ -16,7 +16,7 @@ import pytest
 
 from launch import PYTHON, REPO, Launch, base_env, free_port, run_torchrun, tagged_pids, unique_tag, pid_alive
 from spmd_engine import LLM, SamplingParams
-from spmd_engine.engine.core import EngineDeadError
+from spmd_engine.engine.core_client import EngineDeadError
 
 LONG = SamplingParams(max_tokens=800)
 SHORT = SamplingParams(max_tokens=2)  # finishes first: its progress callback is the kill's trigger
@@ -41,7 +41,7 @@ def kill_on_first_progress(pid: int, record: dict):
 def test_sigkill_of_one_mp_worker_fails_the_call_fast():
     llm = LLM(tensor_parallel_size=2)
     try:
-        executor = llm._engine.executor
+        executor = llm.llm_engine.executor
         segments = {mq.handle().shm_name.lstrip("/") for mq in [executor.rpc_broadcast_mq, *executor.response_mqs]}
         # The queues are unlinked at start-up (never in /dev/shm), but mapped: the check below can fail.
         assert segments and segments <= mapped_segments(os.getpid())

@@ -17,7 +17,7 @@ import pytest
 from launch import pid_alive
 
 from spmd_engine import LLM, SamplingParams
-from spmd_engine.engine.core import EngineDeadError
+from spmd_engine.engine.core_client import EngineDeadError
 
 import cloudpickle
 
@@ -32,7 +32,7 @@ def wait_gone(pids, within: float) -> bool:
 
 
 def segments(llm) -> set[str]:
-    ex = llm._engine.executor
+    ex = llm.llm_engine.executor
     return {mq.handle().shm_name.lstrip("/") for mq in [ex.rpc_broadcast_mq, *ex.response_mqs]}
 
 
@@ -76,7 +76,7 @@ def test_no_stale_reply_after_a_worker_error():
 def test_no_stale_reply_after_a_timeout():
     with LLM(tensor_parallel_size=2) as llm:
         with pytest.raises(TimeoutError, match="no reply from worker 1"):
-            llm._engine.executor.collective_rpc(_rank1_slow, timeout=1.5)
+            llm.llm_engine.executor.collective_rpc(_rank1_slow, timeout=1.5)
         time.sleep(2)  # rank 1's late reply would be in its queue by now
         with pytest.raises(RuntimeError, match="^Executor failed.$"):
             llm.collective_rpc(_rank)

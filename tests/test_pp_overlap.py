@@ -116,7 +116,7 @@ def test_a_worker_death_with_two_steps_in_flight_fails_the_call_and_every_later_
     import signal
     import time
 
-    from spmd_engine.engine.core import EngineDeadError
+    from spmd_engine.engine.core_client import EngineDeadError
     with LLM(model=str(ckpt), max_model_len=32, seed=3, pipeline_parallel_size=2) as llm:
         pids = llm.collective_rpc(lambda worker: os.getpid())
         killed: dict = {}

@@ -4,25 +4,18 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Callable, Iterator
+from typing import Iterator
 
 from spmd_engine.worker import kv_sizing
 from spmd_engine.config import EngineConfig
 from spmd_engine.core.kv_cache_manager import KVCacheManager
+from spmd_engine.engine.core_client import EngineDeadError, FinishedCallback
 from spmd_engine.core.request import Request
 from spmd_engine.core.scheduler import Scheduler
 from spmd_engine.engine.stop_strings import StopStringWatcher
 from spmd_engine.executor.abstract import Executor
 
 logger = logging.getLogger("spmd_engine")
-
-# progress(requests, tokens): that many requests just finished, with that many generated tokens.
-ProgressCallback = Callable[[int, int], None]
-
-
-class EngineDeadError(RuntimeError):
-    """The executor failed; every in-flight request of this engine fails with it."""
-
 
 class EngineCore:
     def __init__(self, config: EngineConfig, executor_class: type[Executor], max_model_len: int,
@@ -166,15 +159,12 @@ class EngineCore:
             raise EngineDeadError(f"engine failed while running step {out.step}: {exc}") from exc
         return self._update(out, model_output)
 
-    def run_until_done(self, progress: ProgressCallback | None = None) -> list[Request]:
-        """Step until every request has finished; `progress` hears of each step's finished ones
-        (and gets the finished requests themselves when it `wants_requests`, to stream them)."""
+    def run_until_done(self, on_finished: FinishedCallback | None = None) -> list[Request]:
+        """Step until every request has finished; `on_finished` gets each step's finished ones."""
         finished = []
-        with_requests = getattr(progress, "wants_requests", False)
         for done in self.run_steps():
-            if done and progress is not None:
-                tokens = sum(len(r.output_token_ids) for r in done)
-                progress(len(done), tokens, done) if with_requests else progress(len(done), tokens)
+            if done and on_finished is not None:
+                on_finished(done)
             finished.extend(done)
         return finished
 

@@ -9,7 +9,7 @@ Replicas stream each step's finished requests back as they finish. A replica
 that fails (an mp worker died, a worker raised) fails the whole `generate` at
 once: every replica's process is ended (their workers follow by the
 parent-death signal and their own liveness checks), and the error carries the
-requests that had finished before, from every replica (`exc.partial`).
+requests that had finished before, from every replica (`exc.finished`).
 """
 
 from __future__ import annotations
@@ -26,14 +26,14 @@ from multiprocessing.connection import wait
 
 from spmd_engine import topology
 from spmd_engine.config import EngineConfig
-from spmd_engine.engine.core import EngineDeadError, ProgressCallback
+from spmd_engine.engine.core_client import EngineCoreClient, EngineDeadError, FinishedCallback
 from spmd_engine.core.request import Request
 from spmd_engine.executor.abstract import dumps_method, loads_method
 
 POLL_S = 0.2
 
 
-class DPEngineClient:
+class DPEngineClient(EngineCoreClient):
     def __init__(self, config: EngineConfig, executor_class, max_model_len: int, eos: int | None):
         dp_size = config.parallel_config.data_parallel_size
         self.config = config
@@ -90,7 +90,7 @@ class DPEngineClient:
                 break  # _receive reports how it died
         return self._receive(i, what)[1]
 
-    def generate(self, requests: list[Request], progress: ProgressCallback | None = None) -> list[Request]:
+    def generate(self, requests: list[Request], on_finished: FinishedCallback | None = None) -> list[Request]:
         """Every replica runs its share at once; finished requests arrive as they finish."""
         if self.failed:
             raise EngineDeadError(f"Executor failed. (the DP replicas were shut down after: {self.failed})")
@@ -110,12 +110,8 @@ class DPEngineClient:
                     self._fail_fast(str(exc), finished)
                 if status == "finished":
                     finished.extend(payload)
-                    if progress is not None:
-                        tokens = sum(len(r.output_token_ids) for r in payload)
-                        if getattr(progress, "wants_requests", False):
-                            progress(len(payload), tokens, payload)  # LLM streams the outputs
-                        else:
-                            progress(len(payload), tokens)
+                    if on_finished is not None:
+                        on_finished(payload)
                 else:
                     del pending[conn]
         return finished
@@ -136,9 +132,7 @@ class DPEngineClient:
             except (EOFError, OSError, ValueError, pickle.UnpicklingError):
                 pass  # a message cut short by the kill
         _end_processes(self.procs, grace_s=5.0)
-        err = EngineDeadError(why)
-        err.partial = finished
-        raise err
+        raise EngineDeadError(why, finished)
 
     @property
     def vllm_config(self) -> EngineConfig:
@@ -163,6 +157,10 @@ class DPEngineClient:
         for conn in self.conns:
             conn.send(("core", (method, args)))
         return [self._reply(i, method) for i in range(len(self.procs))]
+
+    @property
+    def llm_engine(self) -> "DPEngineClient":
+        return self  # the replicas' cores live in their own processes
 
     def shutdown(self) -> None:
         for conn, proc in zip(self.conns, self.procs):

@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 from spmd_engine import topology
 from spmd_engine.config import DEFAULT_MAX_NUM_SEQS, ConfigError
 from spmd_engine.engine.arg_utils import EngineArgs, EngineSetup
-from spmd_engine.engine.core import EngineDeadError, ProgressCallback
+from spmd_engine.engine.core_client import EngineCoreClient, EngineDeadError, InProcClient
 from spmd_engine.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from spmd_engine.core.request import Request
 from spmd_engine.engine.vllm_args import accept_vllm_kwargs
@@ -84,14 +84,14 @@ class LLM:
         self._engine = self._make_engine()
 
     # -- construction -----------------------------------------------------------
-    def _make_engine(self):
+    def _make_engine(self) -> EngineCoreClient:
         from spmd_engine.executor.abstract import Executor
         pc = self.config.parallel_config
         executor_class = Executor.get_class(self.config)
         eos = self.inputs.eos_token_ids
         if pc.distributed_executor_backend == "external_launcher" or pc.data_parallel_size == 1:
             from spmd_engine.engine.core import EngineCore
-            return EngineCore(self.config, executor_class, self.max_model_len, eos)
+            return InProcClient(EngineCore(self.config, executor_class, self.max_model_len, eos))
         from spmd_engine.engine.dp_client import DPEngineClient
         return DPEngineClient(self.config, executor_class, self.max_model_len, eos)
 
@@ -99,7 +99,7 @@ class LLM:
     def generate(self, prompts: str | dict | Sequence[str | dict | Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool | Callable = False,
-                 progress: ProgressCallback | None = None,
+                 progress: Callable[[int, int], None] | None = None,
                  on_output: Callable[[int, RequestOutput], None] | None = None) -> list[RequestOutput]:
         """Results complete and in input order. Prompts as vLLM takes them: a string, a list of
         token ids, {"prompt": text}, {"prompt_token_ids": ids}, or a list mixing these.
@@ -133,13 +133,18 @@ class LLM:
             self._seed_stream.setstate(stream)
             raise
         progress = tqdm_progress(use_tqdm, len(requests), progress)
-        if on_output is not None:
-            progress = _OutputRelay(groups, self.inputs, on_output, progress)
+        relay = _OutputRelay(groups, self.inputs, on_output) if on_output is not None else None
+
+        def on_finished(done: list[Request]) -> None:
+            if relay is not None:
+                relay(done)
+            if progress is not None:
+                progress(len(done), sum(len(r.output_token_ids) for r in done))
         try:
-            finished = {r.request_id: r for r in self._engine_generate(requests, progress)}
+            finished = {r.request_id: r for r in self._engine.generate(requests, on_finished)}
         except EngineDeadError as exc:
             # Replicas that did not fail finished their requests: keep them, in input order.
-            done = {r.request_id: r for r in getattr(exc, "partial", [])}
+            done = {r.request_id: r for r in exc.finished}
             exc.partial_outputs = [_to_output([done[r.request_id] for r in group], self.inputs)
                                    if all(r.request_id in done for r in group) else None for group in groups]
             raise
@@ -151,13 +156,6 @@ class LLM:
         Under external_launcher every replica must then call generate the same number of
         times, a replica without prompts with an empty list."""
         return self.config.dp_waves
-
-    def _engine_generate(self, requests: list[Request], progress: ProgressCallback | None) -> list[Request]:
-        if hasattr(self._engine, "generate"):
-            return self._engine.generate(requests, progress)
-        for request in requests:
-            self._engine.add_request(request)
-        return self._engine.run_until_done(progress)
 
     def _make_requests(self, prompts, sampling_params) -> list[list[Request]]:
         """Per prompt, its `n` engine requests (sample k: id "k_<id>" when n > 1, its own seed).
@@ -212,9 +210,7 @@ class LLM:
     # -- the KV cache ---------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block (as vLLM: False while requests are running)."""
-        if hasattr(self._engine, "generate"):
-            return all(self._engine.call_core("reset_prefix_cache"))
-        return self._engine.reset_prefix_cache()
+        return all(self._engine.call_core("reset_prefix_cache"))
 
     # -- sleep mode (colocated training takes the memory between rollouts) -------------
     def sleep(self, level: int = 1) -> list[dict]:
@@ -227,10 +223,7 @@ class LLM:
             raise ConfigError("sleep needs LLM(..., enable_sleep_mode=True)")
         if isinstance(level, bool) or level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got level={level!r}")
-        if hasattr(self._engine, "generate"):
-            reports = [r for replica in self._engine.call_core("sleep", level) for r in replica]
-        else:
-            reports = self._engine.sleep(level)
+        reports = [r for replica in self._engine.call_core("sleep", level) for r in replica]
         self._asleep = {"weights", "kv_cache"}
         self._weights_discarded = self._weights_discarded or level == 2
         return reports
@@ -243,10 +236,7 @@ class LLM:
         if isinstance(tags, str) or not all(t in ("weights", "kv_cache") for t in tags):
             raise ValueError(f"wake_up tags must be a list of 'weights' and/or 'kv_cache', got tags={tags!r}")
         tags = list(tags)
-        if hasattr(self._engine, "generate"):
-            self._engine.call_core("wake_up", tags)
-        else:
-            self._engine.wake_up(tags)
+        self._engine.call_core("wake_up", tags)
         self._asleep -= set(tags)
 
     @property
@@ -257,9 +247,7 @@ class LLM:
         """Per replica this process drives: scheduler and block counters (steps, preemptions,
         peak_running, prefix_queries_tokens, prefix_hits_tokens, ...) and the output rank's
         runner counters under "runner" (tokens, prefill_tokens: prompt tokens computed)."""
-        if hasattr(self._engine, "generate"):
-            return self._engine.call_core("get_stats")
-        return [self._engine.get_stats()]
+        return self._engine.call_core("get_stats")
 
     # -- workers ------------------------------------------------------------------
     @property
@@ -267,7 +255,7 @@ class LLM:
         """The engine this process drives (vLLM's `llm.llm_engine`): with one replica here its
         `model_executor.driver_worker.model_runner.model` is this rank's CausalLM (uni and
         external_launcher; under mp the model lives in the workers: use collective_rpc)."""
-        return self._engine
+        return self._engine.llm_engine
 
     def collective_rpc(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None,
                        unique_reply_rank: int | None = None) -> list[Any]:
@@ -331,7 +319,7 @@ class LLM:
             pass
 
 
-def tqdm_progress(use_tqdm, total: int, progress: ProgressCallback | None) -> ProgressCallback | None:
+def tqdm_progress(use_tqdm, total: int, progress: Callable[[int, int], None] | None):
     """A progress callback that also advances a tqdm bar, when asked for and tqdm is installed
     (it is optional: without it use_tqdm does nothing)."""
     if not use_tqdm:
@@ -355,26 +343,22 @@ def tqdm_progress(use_tqdm, total: int, progress: ProgressCallback | None) -> Pr
 
 
 class _OutputRelay:
-    """A progress callback that also hands each finished request on, as a RequestOutput."""
+    """Hands each prompt's RequestOutput on once all its samples have finished."""
 
-    wants_requests = True  # engines call it as (requests, tokens, finished Request list)
-
-    def __init__(self, groups: list[list[Request]], inputs, on_output, progress):
+    def __init__(self, groups: list[list[Request]], inputs, on_output):
         self.position = {r.request_id: i for i, group in enumerate(groups) for r in group}
         self.sizes = [len(group) for group in groups]
         self.done: dict[int, list[Request]] = {}
-        self.inputs, self.on_output, self.progress = inputs, on_output, progress
+        self.inputs, self.on_output = inputs, on_output
 
-    def __call__(self, n: int, tokens: int, done: list[Request]) -> None:
-        for r in done:  # a prompt's output goes out once all its n samples have finished
+    def __call__(self, done: list[Request]) -> None:
+        for r in done:
             i = self.position[r.request_id]
             samples = self.done.setdefault(i, [])
             samples.append(r)
             if len(samples) == self.sizes[i]:
                 del self.done[i]
                 self.on_output(i, _to_output(samples, self.inputs))
-        if self.progress is not None:
-            self.progress(n, tokens)
 
 
 def _to_output(samples: list[Request], inputs) -> RequestOutput:

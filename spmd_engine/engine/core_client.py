@@ -1,0 +1,92 @@
+"""EngineCoreClient: the front end's one way to reach the engine cores it drives.
+
+`LLM` drives either one EngineCore in its own process (uni, mp with DP = 1,
+external_launcher) or one EngineCore_DP{i} process per replica (dp_client.py).
+Both answer the same calls, each per replica in replica order, so the front end
+never asks which kind it holds. Finished requests are handed to one callback
+shape, `on_finished(requests)`, as they finish: progress counts and streamed
+outputs are both derived from it in the front end.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Callable
+
+from spmd_engine.config import EngineConfig
+from spmd_engine.core.request import Request
+
+# on_finished(requests): these requests just finished (a step's, or a replica's message).
+FinishedCallback = Callable[[list[Request]], None]
+
+
+class EngineDeadError(RuntimeError):
+    """The executor failed; every in-flight request of this engine fails with it.
+
+    `finished` holds the requests that had finished before the failure (DP replicas stream
+    theirs); the front end sets `partial_outputs`: per prompt, its RequestOutput when all
+    its samples had finished, else None.
+    """
+
+    def __init__(self, message: str, finished: list[Request] | None = None):
+        super().__init__(message)
+        self.finished: list[Request] = list(finished or [])
+        self.partial_outputs: list | None = None
+
+
+class EngineCoreClient(ABC):
+    @abstractmethod
+    def generate(self, requests: list[Request], on_finished: FinishedCallback | None = None) -> list[Request]:
+        """Run the requests to completion (spread over the replicas); all of them, finished."""
+
+    @abstractmethod
+    def call_core(self, method: str, *args) -> list:
+        """`EngineCore.method(*args)` in every replica, one reply each."""
+
+    @abstractmethod
+    def collective_rpc(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None,
+                       unique_reply_rank: int | None = None) -> list[Any]:
+        """A Worker method on every worker of every replica (replies in replica order)."""
+
+    @property
+    @abstractmethod
+    def vllm_config(self) -> EngineConfig:
+        """The engines' configuration, with the KV block count their workers agreed on."""
+
+    @property
+    @abstractmethod
+    def llm_engine(self):
+        """What `LLM.llm_engine` shows (vLLM's name): the EngineCore when it lives here."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """End every replica and its workers; safe to call twice."""
+
+
+class InProcClient(EngineCoreClient):
+    """One EngineCore in this process."""
+
+    def __init__(self, engine_core):
+        self.engine_core = engine_core
+
+    def generate(self, requests: list[Request], on_finished: FinishedCallback | None = None) -> list[Request]:
+        for request in requests:
+            self.engine_core.add_request(request)
+        return self.engine_core.run_until_done(on_finished)
+
+    def call_core(self, method: str, *args) -> list:
+        return [getattr(self.engine_core, method)(*args)]
+
+    def collective_rpc(self, method, args=(), kwargs=None, unique_reply_rank=None) -> list[Any]:
+        return self.engine_core.collective_rpc(method, args, kwargs, unique_reply_rank)
+
+    @property
+    def vllm_config(self) -> EngineConfig:
+        return self.engine_core.vllm_config
+
+    @property
+    def llm_engine(self):
+        return self.engine_core
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()
