@@ -6,7 +6,7 @@ a directory of their own, against an install made exactly as the README's first 
 makes it: a fresh copy of this checkout, `python3 -m venv .venv` (no system site-packages)
 and `pip install -c constraints.txt -e .` (no test extra). That command runs once per
 session, its own run of the bundled model checked too, and its directory is removed at the
-end (the venv holds a whole torch).
+end (the venv holds a whole torch), in the background.
 
 Output samples are ```text or bare ``` blocks and do not run, except `plan` samples (a first
 line `$ python -m spmd_engine.plan ...`): the command runs, and every sample line but `...`
@@ -28,6 +28,7 @@ import re
 import shlex
 import shutil
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,6 +167,14 @@ def test_links_between_pages_resolve():
                 assert fragment in headings, f"{path.relative_to(REPO)}: link to {target}: no such heading"
 
 
+def test_files_named_in_the_docs_exist():
+    """A path in backquotes that starts at the repository's top (spmd_engine/, scripts/,
+    tests/, docs/) names a file or folder that is there: code moves, pages must follow."""
+    for path in [*PAGES, REPO / "tests" / "README.md"]:
+        for name in re.findall(r"`((?:spmd_engine|scripts|tests|docs)/[\w./-]*)`", path.read_text()):
+            assert (REPO / name).exists(), f"{path.relative_to(REPO)} names {name}, which does not exist"
+
+
 # ---------------------------------------------------------------- running them
 
 def block_env(tag: str) -> dict[str, str]:
@@ -286,7 +295,10 @@ def install(tmp_path_factory):
         assert no_test_extra == "True True", "the README install must not hold the test extra"
         yield Install(root, checkout)
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        # A venv with torch takes tens of seconds to delete on a busy disk; the tests after this
+        # module need not wait for it. Not a daemon: the interpreter waits for it at exit.
+        threading.Thread(target=shutil.rmtree, args=(root,), kwargs={"ignore_errors": True},
+                         name="remove-docs-install").start()
 
 
 def page_dir(install: Install, page: str) -> Path:
