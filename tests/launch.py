@@ -161,12 +161,13 @@ class Launch(subprocess.CompletedProcess):
     joined outputs) plus per-process codes and outputs, timeout flag, leftovers."""
 
     def __init__(self, cmds: list[list[str]], envs: list[dict[str, str]], tag: str, timeout: float,
-                 on_poll=None):
+                 on_poll=None, cwd: Path = REPO):
         """`on_poll(launch)`, if given, runs every 0.25 s while the processes run: tests trigger
-        events (a kill, a signal) on what the launch has printed so far (`output_so_far`)."""
+        events (a kill, a signal) on what the launch has printed so far (`output_so_far`).
+        `cwd`: where the commands run (tests of the docs run them in an install of their own)."""
         self.tag, self.timed_out = tag, False
         self._files = files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in cmds]
-        self.procs = procs = [subprocess.Popen(cmd, env=env, cwd=REPO, stdout=out, stderr=err, text=True,
+        self.procs = procs = [subprocess.Popen(cmd, env=env, cwd=cwd, stdout=out, stderr=err, text=True,
                                                start_new_session=True)
                               for cmd, env, (out, err) in zip(cmds, envs, files)]
         self.seen_pids: set[int] = {proc.pid for proc in procs}  # every pid that carried the tag

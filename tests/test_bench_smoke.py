@@ -2,9 +2,9 @@
 engine requests and steps, collective_rpc, mp PP stages) in --quick mode, one rep each.
 
 Nothing here is a timing check (timing belongs in the benchmark itself): the test asserts
-that every figure is emitted once, as the JSON line the README's tables are built from, with
-positive finite numbers. A figure that rots with the engine's internals fails here, not in
-the next session's benchmark run (the chunked-prefill figure once did, unseen)."""
+that every figure is emitted once, as the JSON line docs/performance.md's tables are built
+from, with positive finite numbers. A figure that rots with the engine's internals fails
+here, not in the next session's benchmark run (the chunked-prefill figure once did, unseen)."""
 
 from __future__ import annotations
 

@@ -235,7 +235,7 @@ def signal_a_worker_when_ready(signum: int, record: dict):
 
 @pytest.mark.timeout(120)
 def test_mp_worker_death_exits_1_and_names_the_worker(tmp_path):
-    """README: a runtime failure exits 1; the log names the dead worker (rank, pid, signal)."""
+    """docs/running.md: a runtime failure exits 1; the log names the dead worker (rank, pid, signal)."""
     out = tmp_path / "out.jsonl"
     killed: dict = {}
     launch = run_cli_launch(["-tp", 2, "--prompt", "Beautiful is", "--output", out],
