@@ -22,7 +22,7 @@ from launch import pid_alive, run_torchrun
 from spmd_engine import LLM, SamplingParams
 from spmd_engine.config import ConfigError, ParallelConfig
 from spmd_engine.engine.core_client import EngineDeadError
-from spmd_engine.engine.dp_waves import WAVES_ENV, needs_dp_coordinator
+from spmd_engine.engine.dp_waves import WAVES_ENV, needs_dp_waves
 
 SCRIPT = Path(__file__).resolve().parent / "dist_scripts" / "dp_waves.py"
 LONG = (list(range(1, 31)), 10)  # 30-token prompt, 10 new tokens
@@ -51,23 +51,23 @@ def check_wave_stats(stats: list[dict], runner_dummy: list[int]) -> None:
         assert s["dummy_steps"] == longest - s["steps"] == dummy
 
 
-def test_needs_dp_coordinator_is_moe_under_dp_only():
+def test_needs_dp_waves_is_moe_under_dp_only():
     dp2, dp1 = ParallelConfig(data_parallel_size=2), ParallelConfig()
     env = {}
-    assert needs_dp_coordinator(dp2, {"num_local_experts": 8}, env)  # Mixtral
-    assert needs_dp_coordinator(dp2, {"num_experts": 4}, env)  # Qwen2/3-MoE
-    assert not needs_dp_coordinator(dp1, {"num_experts": 4}, env)
-    assert not needs_dp_coordinator(dp2, {"hidden_size": 64}, env)  # dense
-    assert needs_dp_coordinator(dp2, {"hidden_size": 64}, {WAVES_ENV: "1"})
+    assert needs_dp_waves(dp2, {"num_local_experts": 8}, env)  # Mixtral
+    assert needs_dp_waves(dp2, {"num_experts": 4}, env)  # Qwen2/3-MoE
+    assert not needs_dp_waves(dp1, {"num_experts": 4}, env)
+    assert not needs_dp_waves(dp2, {"hidden_size": 64}, env)  # dense
+    assert needs_dp_waves(dp2, {"hidden_size": 64}, {WAVES_ENV: "1"})
     with pytest.raises(ConfigError, match=WAVES_ENV):
-        needs_dp_coordinator(dp2, {}, {WAVES_ENV: "yes"})
+        needs_dp_waves(dp2, {}, {WAVES_ENV: "yes"})
 
 
 def _mp_run(ckpt, jobs):
     with LLM(model=str(ckpt), data_parallel_size=2) as llm:
         outs = llm.generate([ids for ids, _ in jobs], [SamplingParams(max_tokens=n, ignore_eos=True)
                                                        for _, n in jobs])
-        return [o.outputs[0].token_ids for o in outs], llm.get_stats(), llm.runs_dp_waves
+        return [o.outputs[0].token_ids for o in outs], llm.get_stats(), llm.dp_waves
 
 
 @pytest.mark.timeout(120)
@@ -86,7 +86,7 @@ def test_mp_moe_dp2_ep_uneven_then_one_prompt(moe):
     jobs = [LONG, SHORT]  # replica 0: the long one, replica 1: the short one
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in jobs]
     with LLM(model=str(moe), data_parallel_size=2, timeout_s=60, **EP) as llm:
-        assert llm.runs_dp_waves
+        assert llm.dp_waves
         tokens = [o.outputs[0].token_ids for o in llm.generate([ids for ids, _ in jobs], params)]
         uneven = llm.get_stats()
         one = llm.generate([LONG[0]], params[0])[0].outputs[0].token_ids  # replica 1 idle from the start
@@ -118,7 +118,7 @@ def test_mp_moe_dp2_without_ep_splits_each_expert_over_dp_x_tp(moe):
     jobs = [LONG, SHORT]
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in jobs]
     with LLM(model=str(moe), data_parallel_size=2, timeout_s=60) as llm:
-        assert llm.runs_dp_waves
+        assert llm.dp_waves
         tokens = [o.outputs[0].token_ids for o in llm.generate([ids for ids, _ in jobs], params)]
         shards = llm.collective_rpc(lambda w: sorted({(m.width, m.width_start, m.group.world_size)
                                                       for m in w.model_runner.model.modules()

@@ -130,11 +130,11 @@ def model_parallel_is_initialized() -> bool:
 
 
 def initialize_model_parallel(parallel_config: ParallelConfig,
-                              launched_world_size: int | None = None, moe_across_dp: bool = False) -> None:
+                              launched_world_size: int | None = None, dp_waves: bool = False) -> None:
     """Create every axis's groups (world, TP, DCP, PCP, PP, DP, EP) on every rank.
 
     The EP-shaped group (DP x PCP x TP) exists with expert parallelism, or when a mixture
-    of experts spans DP replicas without it (`moe_across_dp`: each expert's width split over
+    of experts spans DP replicas without it (`dp_waves`: each expert's width split over
     those ranks, as vLLM does)."""
     if not dist.is_initialized():
         raise RuntimeError("initialize_model_parallel() needs init_distributed_environment() first")
@@ -145,7 +145,7 @@ def initialize_model_parallel(parallel_config: ParallelConfig,
         raise ConfigError(f"launched world size {launched_world_size} does not match "
                           f"torch.distributed's world size {world}")
     layout = layout_for_world(parallel_config, world)  # raises before any collective
-    axes = [a for a in AXES_IN_ORDER if a != "ep" or parallel_config.enable_expert_parallel or moe_across_dp]
+    axes = [a for a in AXES_IN_ORDER if a != "ep" or parallel_config.enable_expert_parallel or dp_waves]
     for axis in axes:
         _STATE.groups[axis] = GroupCoordinator(
             topology.group_table(layout, axis), _STATE.local_rank, _STATE.device_backend,

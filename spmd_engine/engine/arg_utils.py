@@ -17,7 +17,7 @@ from spmd_engine import envs
 from spmd_engine.config import (
     DEFAULT_MAX_NUM_SEQS, CacheConfig, ConfigError, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
 )
-from spmd_engine.engine.dp_waves import needs_dp_coordinator
+from spmd_engine.engine.dp_waves import needs_dp_waves
 from spmd_engine.engine.vllm_args import none_means_default
 from spmd_engine.worker import kv_sizing
 
@@ -111,7 +111,7 @@ class EngineArgs:
             model_config=model_config, parallel_config=parallel, scheduler_config=scheduler,
             cache_config=cache, seed=seed, device=self.device or default_device(),
             timeout_s=self.timeout_s if self.timeout_s is not None else envs.timeout_s(),
-            dp_waves=needs_dp_coordinator(parallel, inputs.hf_config),
+            dp_waves=needs_dp_waves(parallel, inputs.hf_config),
         )
         if check_kv_budget:
             check_kv_budget_up_front(config, inputs.hf_config, spec)

@@ -1,4 +1,4 @@
-"""When DP replicas must step in lockstep ("waves"), as vLLM's needs_dp_coordinator decides.
+"""When DP replicas must step in lockstep ("waves"): what vLLM's needs_dp_coordinator decides.
 
 Dense replicas never talk to each other after start-up. A mixture-of-experts
 model under DP does: its expert layers exchange tokens over the EP group, which
@@ -28,7 +28,7 @@ def is_moe(hf_config: Mapping) -> bool:
     return any(int(hf_config.get(key) or 0) > 1 for key in EXPERT_COUNT_KEYS)
 
 
-def needs_dp_coordinator(parallel_config: ParallelConfig, hf_config: Mapping,
+def needs_dp_waves(parallel_config: ParallelConfig, hf_config: Mapping,
                          environ: Mapping[str, str] = os.environ) -> bool:
     """True when the DP replicas of this model must run waves: DP > 1 and MoE (or forced)."""
     forced = envs.dp_waves(environ)

@@ -122,7 +122,7 @@ class LLM:
             self._weights_discarded = False
         stream = self._seed_stream.getstate()
         try:  # a refused call draws nothing, so every rank's stream stays where the others' are
-            if self.runs_dp_waves and not _has_prompts(prompts):
+            if self.dp_waves and not _has_prompts(prompts):
                 groups = []  # an idle replica still steps with the others until the wave ends
             else:
                 groups = self._make_requests(prompts, sampling_params)
@@ -151,7 +151,7 @@ class LLM:
         return [_to_output([finished[r.request_id] for r in group], self.inputs) for group in groups]
 
     @property
-    def runs_dp_waves(self) -> bool:
+    def dp_waves(self) -> bool:
         """The DP replicas step in lockstep (a mixture of experts under DP: engine/dp_waves.py).
         Under external_launcher every replica must then call generate the same number of
         times, a replica without prompts with an empty list."""

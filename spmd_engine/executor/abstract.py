@@ -47,8 +47,6 @@ def run_method(obj: Any, method: str | Callable, args: tuple, kwargs: dict | Non
 
 
 class Executor(ABC):
-    uses_ray = False
-
     def __init__(self, config: EngineConfig):
         self.config = config
         self.parallel_config = config.parallel_config
@@ -93,9 +91,8 @@ class Executor(ABC):
         return self.collective_rpc("execute_model", (scheduler_output,),
                                    unique_reply_rank=self.output_rank)[0]
 
-    def sample_tokens(self, grammar_output=None):
-        return self.collective_rpc("sample_tokens", (grammar_output,),
-                                   unique_reply_rank=self.output_rank)[0]
+    def sample_tokens(self):
+        return self.collective_rpc("sample_tokens", unique_reply_rank=self.output_rank)[0]
 
     def dp_any_unfinished(self, local_unfinished: bool) -> bool:
         """DP waves: all-reduced over the DP group by the workers (the group plan prints)."""
@@ -116,7 +113,7 @@ class Executor(ABC):
         runs to the end first; executors that overlap steps return before it has."""
         output = self.execute_model(scheduler_output)
         if output is None:
-            output = self.sample_tokens(None)
+            output = self.sample_tokens()
         return lambda: output
 
     def determine_num_kv_blocks(self) -> tuple[int, int]:
@@ -126,9 +123,6 @@ class Executor(ABC):
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.collective_rpc("initialize_kv_cache", (num_blocks,))
-
-    def check_health(self) -> None:
-        self.collective_rpc("check_health")
 
     def shutdown(self) -> None:
         """Release workers and groups; safe to call twice."""

@@ -6,7 +6,7 @@ worker a reader); replies come back on per-worker response queues, and only the
 the workers' sentinels: when any worker dies the executor marks itself failed,
 terminates every worker of this replica and shuts its queues, so a blocked call
 raises RuntimeError("cancelled") and a new one raises RuntimeError("Executor
-failed.") -- the behaviour the seed traces in vLLM.
+failed."), as vLLM's MultiprocExecutor does.
 """
 
 from __future__ import annotations

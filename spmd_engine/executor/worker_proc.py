@@ -66,7 +66,7 @@ def _share_cores(config, first_on_host: bool) -> None:
 
     torch defaults every process to all cores; with several workers per host that
     oversubscribes the CPU and the ranks' threads fight over cores during every layer
-    (measured: TP=2 on 2 cores with 2 threads per worker decodes 5-7x slower than with 1).
+    (TP ranks wait for each other at every all-reduce, so the slowest thread sets the pace).
     An explicit OMP_NUM_THREADS above the share is kept, with a warning.
     """
     import torch

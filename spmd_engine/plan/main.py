@@ -26,7 +26,7 @@ def build_parser() -> UsageParser:
     parser.add_argument("--world-size", type=int, default=None, metavar="N",
                         help="launched ranks (default: TP x PP x PCP x DP; under torchrun: WORLD_SIZE); "
                              "a multiple gives external-DP replicas")
-    parser.add_argument("--json", action="store_true", help="print DESIGN 4.2's JSON object")
+    parser.add_argument("--json", action="store_true", help="print the plan as one JSON object (ranks, groups, processes)")
     parser.add_argument("--live", action="store_true",
                         help="under torchrun/srun: build the groups and verify them with collectives")
     kv = parser.add_argument_group("KV cache budget (printed when --model is given)")

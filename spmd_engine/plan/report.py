@@ -1,4 +1,4 @@
-"""The launch plan as data (DESIGN 4.2's JSON) and as a picture a person reads.
+"""The launch plan as data (the `plan --json` object) and as a picture a person reads.
 
 Everything here derives from topology.py; nothing is computed twice. The JSON
 shape is a contract scripts depend on, so its keys are fixed.

@@ -17,7 +17,7 @@ EXIT_USAGE = 2
 
 
 class UsageParser(argparse.ArgumentParser):
-    """ArgumentParser whose errors are one line and exit 2 (DESIGN 4.1)."""
+    """ArgumentParser whose errors are one line and exit 2, on every rank."""
 
     def error(self, message: str) -> NoReturn:
         print(f"error: {message}", file=sys.stderr)

@@ -146,7 +146,7 @@ def generate_records(llm, prompts: list[PromptInput], params: SamplingParams, in
     share can be empty: fewer prompts than replicas). `sink.append(record)` gets each
     record as soon as its request finishes (the part file)."""
     if not indices:
-        if llm.runs_dp_waves:  # no prompts here, but the other replicas' steps need this one's
+        if llm.dp_waves:  # no prompts here, but the other replicas' steps need this one's
             llm.generate([], params)
         return []
     from dataclasses import replace

@@ -228,7 +228,7 @@ class ModelRunner:
         return input_ids, attn.positions, attn, torch.tensor(sample_index, dtype=torch.long).to(self.device)
 
     @torch.inference_mode()
-    def sample_tokens(self, grammar_output=None) -> ModelRunnerOutput | None:
+    def sample_tokens(self) -> ModelRunnerOutput | None:
         if self._pending is None:
             return None
         request_ids, logits, prompt_logprobs = self._pending

@@ -66,11 +66,11 @@ class Worker:
         if pc.distributed_executor_backend == "external_launcher":
             init_distributed_environment(local_rank=self.local_rank, backend=backend,
                                          timeout_s=self.config.timeout_s)
-            initialize_model_parallel(pc, moe_across_dp=self.config.dp_waves)
+            initialize_model_parallel(pc, dp_waves=self.config.dp_waves)
         else:
             # uni and mp: the engine's own world, laid out by initialize_model_parallel.
             self._init_engine_world(backend)
-            initialize_model_parallel(pc, moe_across_dp=self.config.dp_waves)
+            initialize_model_parallel(pc, dp_waves=self.config.dp_waves)
         self.world_group = get_world_group()
         self.tp_group = get_tp_group()
         self.pp_group = get_pp_group()
@@ -172,8 +172,8 @@ class Worker:
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.model_runner.execute_model(out)
 
-    def sample_tokens(self, grammar_output=None) -> ModelRunnerOutput | None:
-        return self.model_runner.sample_tokens(grammar_output)
+    def sample_tokens(self) -> ModelRunnerOutput | None:
+        return self.model_runner.sample_tokens()
 
     # -- DP waves (engine/dp_waves.py) --------------------------------------------------
     @torch.inference_mode()  # the DP group's shared-memory buffers are made inside the forward's
@@ -189,7 +189,7 @@ class Worker:
     def execute_and_sample(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
         """One message per step for an engine with steps in flight: run, then sample."""
         result = self.model_runner.execute_model(out)
-        return result if result is not None else self.model_runner.sample_tokens(None)
+        return result if result is not None else self.model_runner.sample_tokens()
 
     def get_runner_stats(self) -> dict:
         return self.model_runner.get_stats()
@@ -233,6 +233,8 @@ class Worker:
 
     # -- housekeeping ------------------------------------------------------
     def check_health(self) -> bool:
+        """vLLM's name for the cheapest call: a live worker answers True (benchmarks time the
+        RPC transport with it)."""
         return True
 
     def get_timings(self) -> dict[str, float]:

@@ -22,7 +22,7 @@ if __name__ == "__main__":
         replica = llm.replica_index
         share = jobs[replica::2]
         tokens = []
-        if share or llm.runs_dp_waves:
+        if share or llm.dp_waves:
             outs = llm.generate([ids for ids, _ in share],
                                 [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in share])
             tokens = [o.outputs[0].token_ids for o in outs]

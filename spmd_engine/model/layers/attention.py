@@ -204,13 +204,12 @@ class Attention(nn.Module):
         else:
             L = g.mask.shape[-1]
             # index_select of whole blocks copies rows with memcpy; advanced indexing with the
-            # 2-D table took 5-7x longer, a quarter of a bf16 decode step (torch.profiler).
+            # 2-D table gathers element by element (the profile's largest non-matmul cost).
             blocks = g.block_tables.reshape(-1)
             keys = self.k_cache.index_select(0, blocks).view(G, L, kv, D).transpose(1, 2)  # [G, kv, L, D]
             values = self.v_cache.index_select(0, blocks).view(G, L, kv, D).transpose(1, 2)
             # The query heads sharing a KV head folded into the query axis, [G, kv, group * T, D]:
-            # grouped-query attention without copying K/V per head (5x faster than enable_gqa
-            # for bf16 decode here).
+            # grouped-query attention without copying K/V per head (enable_gqa expands them).
             group = self.num_heads // kv
             out = F.scaled_dot_product_attention(qg.reshape(G, kv, group * T, D), keys, values,
                                                  attn_mask=g.folded_mask(group), scale=self.scale)

@@ -30,8 +30,7 @@ Computation is batched per expert: the (token, expert) pairs are sorted by
 expert, and each expert runs two matmuls over all its tokens at once; the
 results are weighted and added back per token in expert order (HF's order).
 On CPU each expert's two matrices are also kept packed for oneDNN
-(packed_weights.py: about 1.8x faster bf16 matmuls at decode sizes, bitwise
-equal); the packs cost a second copy of the expert weights and are rebuilt
+(packed_weights.py: faster matmuls at decode sizes, bitwise equal in bf16); the packs cost a second copy of the expert weights and are rebuilt
 after any write through `weight_loader`.
 """
 

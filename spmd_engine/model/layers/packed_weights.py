@@ -3,15 +3,12 @@
 `F.linear` on CPU hands its row-major weight to a GEMM that, at decode batch
 sizes, spends most of its time on the weight rather than on arithmetic: bf16
 goes to oneDNN, which reorders the weight into its blocked layout on every
-call; fp32 goes to MKL's sgemm, which on this AMD EPYC runs at about a quarter
-of memory bandwidth. Reordering once after loading and calling oneDNN with the
-packed weight removes both. Measured here at batch 8 (weights streaming from
-memory, as in a model): bf16 [3072, 512] 407 -> 233 us and the [32000, 512] LM
-head 3.8 -> 1.7 ms; fp32 [3072, 512] 1260 -> 326 us and the head 16.6 -> 3.6 ms.
+call; fp32 goes to MKL's sgemm, which on some CPUs reads weights far below memory
+bandwidth at these shapes. Reordering once after loading and calling oneDNN with
+the packed weight removes both (`scripts/bench.py --only decode` measures it).
 bf16 results are bitwise identical to `F.linear`; fp32 ones differ in
 summation order only (about 1e-6 relative, like a TP split's partial sums).
-tests/test_packed_weights.py checks both; `scripts/bench.py --only decode`
-measures the effect on decoding.
+tests/test_packed_weights.py checks both.
 
 A packed weight replaces the layer's `weight` Parameter (an mkldnn-layout
 tensor of the same logical shape and dtype, so the dense copy is freed and

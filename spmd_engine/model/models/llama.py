@@ -184,9 +184,6 @@ class CausalLM(CausalLMWeights, nn.Module):
         self.bind_kv_cache([(zeros(shape, dtype=self.dtype, device=self.device),
                              zeros(shape, dtype=self.dtype, device=self.device)) for _ in self._attention_layers()])
 
-    def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(a.k_cache, a.v_cache) for a in self._attention_layers()]
-
     def bind_kv_cache(self, caches: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:
         """Give each layer its (K, V) block tensors, in layer order; None drops them."""
         layers = self._attention_layers()
