@@ -683,7 +683,7 @@ def rank_phases(nproc: int, tp: int, pp: int, dp: int, model: str | None = None,
 
 def emit_startup_store_ops() -> None:
     """Issue 17: launcher-store operations per rank from the layout alone (no processes; the
-    model is checked against counted operations in tests/test_startup_cost.py)."""
+    model is checked against counted operations in tests/integration/distributed/test_startup_cost.py)."""
     from spmd_engine import topology
     from spmd_engine.distributed.startup_cost import startup_store_ops
     for world, tp, pp in ((8, 2, 2), (64, 8, 2), (512, 8, 2)):

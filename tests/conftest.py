@@ -3,8 +3,15 @@ optional reference packages are a failure (not a skip) under CI."""
 
 import importlib
 import os
+import sys
+from pathlib import Path
 
 import pytest
+
+# The suite's helpers (tests/helpers: launches, fixtures, stand-ins) and the repo's scripts/
+# (checkpoint makers) import by name from every test folder.
+_TESTS = Path(__file__).resolve().parent
+sys.path[:0] = [str(_TESTS / "helpers"), str(_TESTS.parent / "scripts")]
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                  "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_JOB_ID")

@@ -121,7 +121,7 @@ def test_a_creator_killed_mid_setup_leaves_no_name_in_dev_shm(tmp_path):
     # was still setting up (the first all-reduce, just after "engine ready"): the name lived
     # until every peer had attached. Now it is unlinked at creation; peers attach by descriptor.
     from launch import stale_segments
-    from test_failures import mapped_segments
+    from launch import mapped_segments
     ctx = mp.get_context("spawn")
     marker = str(tmp_path / "ready")
     procs = [ctx.Process(target=_setup_rank_main, args=(r, str(tmp_path / "store"), marker)) for r in range(2)]

@@ -9,7 +9,7 @@ rank therefore pays for the groups it belongs to, O(world) in all (the default
 group and the world axis span every rank), and the launch O(world^2), the gloo
 full mesh of the world group; nothing else grows with the world. The
 same-invocation check of `spmd_engine.run` adds 2 operations per rank and
-world - 1 on rank 0, which reads every rank's hash (`tests/test_startup_cost.py`
+world - 1 on rank 0, which reads every rank's hash (`tests/integration/distributed/test_startup_cost.py`
 counts the real operations against this model).
 """
 

@@ -8,7 +8,7 @@ bandwidth at these shapes. Reordering once after loading and calling oneDNN with
 the packed weight removes both (`scripts/bench.py --only decode` measures it).
 bf16 results are bitwise identical to `F.linear`; fp32 ones differ in
 summation order only (about 1e-6 relative, like a TP split's partial sums).
-tests/test_packed_weights.py checks both.
+tests/unit/model/test_packed_weights.py checks both.
 
 A packed weight replaces the layer's `weight` Parameter (an mkldnn-layout
 tensor of the same logical shape and dtype, so the dense copy is freed and

@@ -5,7 +5,7 @@ renormalised float32 top-k weights, Qwen2-MoE's shared expert behind a sigmoid g
 unnormalised top-k and a dense layer from `mlp_only_layers`, Qwen3-MoE's `norm_topk_prob`
 with `decoder_sparse_step` 2 and q/k RMSNorm. The engine generates greedily (uni, TP 2 under
 mp, TP 2 + expert parallelism under mp and under torchrun) and transformers must agree
-token by token and logprob by logprob (teacher-forced, as tests/test_hf_reference.py).
+token by token and logprob by logprob (teacher-forced, as tests/integration/model/test_hf_reference.py).
 Expert parallelism must not change greedy output; each EP rank must read only its experts.
 """
 
@@ -32,10 +32,9 @@ from spmd_engine.model.partition import check_model_parallel
 from spmd_engine.model.solo import SoloGroup
 from test_hf_reference import copy_with_config, disagreements, engine_outputs, hf_logprobs, hf_model, prompts_for
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 from make_random_checkpoint import make_random_checkpoint  # noqa: E402
+from launch import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 
 CONFIGS = {
     "mixtral-4x-top2": dict(
@@ -106,7 +105,7 @@ def test_torchrun_tp2_matches_transformers(checkpoints, tmp_path, mode):
     name = "mixtral-4x-top2"
     prompts = prompts_for(CONFIGS[name]["vocab_size"])
     (tmp_path / "prompts.json").write_text(json.dumps(prompts))
-    launch = run_torchrun(2, [REPO / "tests" / "dist_scripts" / "moe_generate.py", checkpoints[name],
+    launch = run_torchrun(2, [REPO / "tests" / "helpers" / "dist_scripts" / "moe_generate.py", checkpoints[name],
                               tmp_path / "prompts.json", tmp_path / "out.json", mode], timeout=240)
     assert launch.returncode == 0, launch.describe()
     assert not launch.leftover_pids
@@ -126,7 +125,7 @@ def test_torchrun_tp2_matches_transformers(checkpoints, tmp_path, mode):
 def test_token_dispatch_across_ranks_with_different_tokens():
     """The all-gather dispatch / all-reduce combine path (DP replicas), 7 tokens vs 1, both shardings."""
     from launch import run_torchrun
-    launch = run_torchrun(2, [REPO / "tests" / "dist_scripts" / "moe_dispatch.py"], timeout=100)
+    launch = run_torchrun(2, [REPO / "tests" / "helpers" / "dist_scripts" / "moe_dispatch.py"], timeout=100)
     assert launch.returncode == 0, launch.describe()
     ok = sorted(line for line in launch.stdout.splitlines() if line.endswith(" OK"))
     assert ok == ["rank 0 ep experts [0, 1] rows 7 OK", "rank 0 tp experts [0, 1, 2, 3] rows 7 OK",

@@ -211,7 +211,7 @@ def test_torchrun_tp2_pp2_each_rank_loads_its_stage_and_matches_the_new_checkpoi
 
     from launch import REPO, run_torchrun
     old, new = ckpts
-    launch = run_torchrun(4, [str(REPO / "tests" / "dist_scripts" / "rl_weight_update.py"), old, new],
+    launch = run_torchrun(4, [str(REPO / "tests" / "helpers" / "dist_scripts" / "rl_weight_update.py"), old, new],
                           timeout=200)
     assert launch.returncode == 0, launch.describe()
     reports = [json.loads(line.split("REPORT ", 1)[1]) for line in launch.stdout.splitlines()

@@ -13,7 +13,7 @@ import pytest
 from engine_helpers import make_tiny_checkpoint
 from spmd_engine import LLM, SamplingParams
 from spmd_engine.core.step_messages import ModelRunnerOutput
-from test_scheduler import drive, make, scheduler
+from scheduler_helpers import drive, make, scheduler
 
 
 def reply(out, token=7):

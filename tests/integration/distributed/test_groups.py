@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from launch import run_ranks_on_free_port, run_ranks_with_env, run_torchrun, tagged_pids
+from launch import REPO, run_ranks_on_free_port, run_ranks_with_env, run_torchrun, tagged_pids
 from spmd_engine.distributed.launch_env import port_from_job_id
 
-SCRIPT = str(Path(__file__).parent / "dist_scripts" / "collectives_check.py")
+SCRIPT = str(REPO / "tests" / "helpers" / "dist_scripts" / "collectives_check.py")
 
 
 def results(out: Path, ranks) -> dict[int, dict]:

@@ -26,7 +26,7 @@ import time
 import uuid
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
 SHM_DIR = Path("/dev/shm")
 SHM_PATTERN = re.compile(r"^spmd_ar_(\d+)_[0-9a-f]+$")
@@ -269,3 +269,9 @@ def pid_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def mapped_segments(pid: int) -> set[str]:
+    """Names of spmd_engine shared-memory segments mapped by a process (unlinked ones included)."""
+    with open(f"/proc/{pid}/maps") as f:
+        return {line.split("/dev/shm/", 1)[1].split()[0] for line in f if "/dev/shm/spmd_" in line}

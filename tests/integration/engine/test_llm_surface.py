@@ -169,7 +169,7 @@ def test_llm_under_srun_is_external_launcher_with_fresh_randomness_agreed_by_ran
     from launch import PYTHON, REPO, Launch, base_env
 
     bin_dir = fake_slurm.install(tmp_path / "bin")
-    script = str(REPO / "tests" / "dist_scripts" / "llm_under_srun.py")
+    script = str(REPO / "tests" / "helpers" / "dist_scripts" / "llm_under_srun.py")
     for attempt in range(3):
         tag = f"llm-srun-{attempt}-{os.getpid()}"
         env = base_env(tag, fake_slurm.batch_env(bin_dir, nodes=1, ntasks=2))

@@ -9,7 +9,7 @@ import pytest
 
 from launch import PYTHON, REPO, run_checked, run_ranks_on_free_port, run_torchrun
 
-SCRIPT = str(REPO / "tests" / "dist_scripts" / "trainer_world.py")
+SCRIPT = str(REPO / "tests" / "helpers" / "dist_scripts" / "trainer_world.py")
 
 
 def _reports(launch) -> dict[int, dict]:

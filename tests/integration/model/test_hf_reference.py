@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,6 @@ import torch
 from conftest import require_reference
 from spmd_engine import LLM, SamplingParams
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 from make_random_checkpoint import make_random_checkpoint  # noqa: E402
 
 MAX_TOKENS = 12

@@ -2,7 +2,7 @@
 
 The bundled model recites the Zen of Python with a byte tokenizer, so every
 stop string of two or more characters spans several tokens, and what it
-writes is known in advance (tests/zen.py).
+writes is known in advance (tests/helpers/zen.py).
 """
 
 from __future__ import annotations

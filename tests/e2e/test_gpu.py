@@ -37,7 +37,7 @@ def test_gpu_commands_are_valid_argv():
 @needs_1_gpu
 @pytest.mark.timeout(180)
 def test_nccl_collectives_across_every_gpu():
-    launch = run_torchrun(GPUS, [REPO / "tests" / "dist_scripts" / "nccl_check.py"], timeout=160)
+    launch = run_torchrun(GPUS, [REPO / "tests" / "helpers" / "dist_scripts" / "nccl_check.py"], timeout=160)
     assert not launch.timed_out and launch.returncode == 0, launch.describe()
     lines = [line for line in launch.stdout.splitlines() if line.startswith("rank ")]
     assert len(lines) == GPUS and all(" ok " in line and "backend=nccl" in line for line in lines), lines

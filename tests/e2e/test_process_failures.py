@@ -14,18 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from launch import PYTHON, REPO, Launch, base_env, free_port, run_torchrun, tagged_pids, unique_tag, pid_alive
+from launch import (PYTHON, REPO, Launch, base_env, free_port, mapped_segments, pid_alive, run_torchrun, tagged_pids,
+                    unique_tag)
 from spmd_engine import LLM, SamplingParams
 from spmd_engine.engine.core_client import EngineDeadError
 
 LONG = SamplingParams(max_tokens=800)
 SHORT = SamplingParams(max_tokens=2)  # finishes first: its progress callback is the kill's trigger
-
-
-def mapped_segments(pid: int) -> set[str]:
-    """Names of spmd_engine shared-memory segments mapped by a process (unlinked ones included)."""
-    with open(f"/proc/{pid}/maps") as f:
-        return {line.split("/dev/shm/", 1)[1].split()[0] for line in f if "/dev/shm/spmd_" in line}
 
 
 def kill_on_first_progress(pid: int, record: dict):
@@ -78,7 +73,7 @@ def test_a_dp_worker_death_keeps_what_finished_before_it():
         # Replica 0's short request finishing triggers the kill of one of replica 1's workers.
         with pytest.raises(EngineDeadError, match="EngineCore_DP1") as err:
             llm.generate(prompts, [SHORT, LONG, LONG, LONG], progress=kill_on_first_progress(pids[2], record))
-        # Issue 15: the healthy replica is stopped too (fail fast, tests/test_dp_fail_fast.py);
+        # Issue 15: the healthy replica is stopped too (fail fast, tests/integration/engine/test_dp_fail_fast.py);
         # what had finished before the fault is kept, whole: the short request whose finish
         # triggered the kill.
         partial = err.value.partial_outputs

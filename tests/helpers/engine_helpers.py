@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from make_random_checkpoint import make_random_checkpoint  # noqa: E402
 
 TINY = dict(hidden_size=64, num_layers=4, num_heads=8, num_kv_heads=2, intermediate_size=128,

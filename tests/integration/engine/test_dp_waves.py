@@ -13,18 +13,17 @@ import json
 import os
 import signal
 import time
-from pathlib import Path
 
 import pytest
 
 from engine_helpers import make_random_checkpoint, make_tiny_checkpoint, reference_greedy
-from launch import pid_alive, run_torchrun
+from launch import REPO, pid_alive, run_torchrun
 from spmd_engine import LLM, SamplingParams
 from spmd_engine.config import ConfigError, ParallelConfig
 from spmd_engine.engine.core_client import EngineDeadError
 from spmd_engine.engine.dp_waves import WAVES_ENV, needs_dp_waves
 
-SCRIPT = Path(__file__).resolve().parent / "dist_scripts" / "dp_waves.py"
+SCRIPT = REPO / "tests" / "helpers" / "dist_scripts" / "dp_waves.py"
 LONG = (list(range(1, 31)), 10)  # 30-token prompt, 10 new tokens
 SHORT = ([7], 2)
 QWEN3_MOE = dict(architecture="Qwen3MoeForCausalLM", hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,

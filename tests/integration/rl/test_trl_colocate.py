@@ -1,5 +1,5 @@
-"""TRL's colocate mode replayed call for call (tests/dist_scripts/trl_colocate.py), and vLLM's
-own torchrun example (tests/dist_scripts/torchrun_example.py).
+"""TRL's colocate mode replayed call for call (tests/helpers/dist_scripts/trl_colocate.py), and vLLM's
+own torchrun example (tests/helpers/dist_scripts/torchrun_example.py).
 
 The trainer perturbs every weight each step and pushes them one tensor at a time; TRL then
 calls collective_rpc("reload_weights") before generating. The tokens of each step must equal a
@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from engine_helpers import make_tiny_checkpoint
 from launch import REPO, run_ranks_on_free_port, run_torchrun
 
-SCRIPT = str(REPO / "tests" / "dist_scripts" / "trl_colocate.py")
+SCRIPT = str(REPO / "tests" / "helpers" / "dist_scripts" / "trl_colocate.py")
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +112,7 @@ def test_engines_built_one_after_another_under_torchrun_tp2_dp2(checkpoints):
 def test_vllm_torchrun_example_ranks_with_different_memory_settings_agree():
     """vLLM's test_torchrun_example: per-rank gpu_memory_utilization / swap_space /
     kv_cache_memory_bytes, no seed; the script itself checks every rank against rank 0."""
-    launch = run_torchrun(2, [str(REPO / "tests" / "dist_scripts" / "torchrun_example.py")], timeout=110)
+    launch = run_torchrun(2, [str(REPO / "tests" / "helpers" / "dist_scripts" / "torchrun_example.py")], timeout=110)
     assert launch.returncode == 0 and not launch.timed_out, launch.describe()
     assert not launch.leftover_pids, launch.describe()
     blocks = sorted(line for line in launch.stdout.splitlines() if " blocks " in line)

@@ -4,9 +4,9 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from launch import REPO
 
 PLAN_KEYS = {
     "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
@@ -102,7 +102,7 @@ def test_live_check_fails_on_a_corrupted_group_table():
     """Negative control: TP groups built from a table with two ranks swapped ([0, 3] [1, 2]
     instead of [0, 1] [2, 3]) come up fine, and the live check must say they are wrong, exit 1."""
     from launch import run_torchrun
-    script = str(Path(__file__).parent / "dist_scripts" / "live_check_corrupt.py")
+    script = str(REPO / "tests" / "helpers" / "dist_scripts" / "live_check_corrupt.py")
     launch = run_torchrun(4, [script, "-tp", "2", "-pp", "2", "--live"], timeout=100)
     assert not launch.timed_out and launch.returncode == 1, launch.describe()
     verdicts = [line for line in launch.stdout.splitlines() if line.strip()]
