@@ -12,6 +12,7 @@ processes.
 
 from __future__ import annotations
 
+import os
 import re
 import zlib
 from dataclasses import dataclass
@@ -207,3 +208,9 @@ def nccl_env_defaults(environ: Mapping[str, str], timeout_s: float) -> dict[str,
         "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(max(480, int(timeout_s) + 60)),
     }
     return {k: v for k, v in wanted.items() if not environ.get(k)}
+
+
+def launched_rank(environ: Mapping[str, str] = os.environ) -> int:
+    """This process's global rank from the launcher's variables (0 without a launcher),
+    readable before any group exists: rank 0 alone prints errors and results."""
+    return int(environ.get("RANK", environ.get("SLURM_PROCID", "0")))

@@ -62,7 +62,7 @@ def _rank_main(rank: int, world: int, store_path: str, out: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     from spmd_engine.config import ParallelConfig
     from spmd_engine.distributed import parallel_state
-    from spmd_engine.run.main import check_same_invocation
+    from spmd_engine.run.jobs import check_same_invocation
     store = CountingStore(dist.FileStore(store_path, world))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     before = sum(store.ops.values())
