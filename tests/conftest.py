@@ -13,6 +13,11 @@ import pytest
 _TESTS = Path(__file__).resolve().parent
 sys.path[:0] = [str(_TESTS / "helpers"), str(_TESTS.parent / "scripts")]
 
+# One intra-op thread in each pytest process unless asked otherwise (torch reads this when it
+# loads): with `-n 2` two test processes and the launches they start share the cores, and an
+# OpenMP team spinning for cores it cannot have slowed in-process tests many times over.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                  "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_JOB_ID")
 
