@@ -9,10 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from spmd_engine.sampling_params import SamplingParams
 from spmd_engine.core.step_messages import (  # noqa: F401  (re-exported)
-    EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, NewRequestData, ScheduledSeq, SchedulerOutput,
+    EMPTY_MODEL_RUNNER_OUTPUT,
+    ModelRunnerOutput,
+    NewRequestData,
+    ScheduledSeq,
+    SchedulerOutput,
 )
+from spmd_engine.sampling_params import SamplingParams
 
 
 @dataclass

@@ -15,7 +15,13 @@ from dataclasses import dataclass, fields
 
 from spmd_engine import envs
 from spmd_engine.config import (
-    DEFAULT_MAX_NUM_SEQS, CacheConfig, ConfigError, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+    DEFAULT_MAX_NUM_SEQS,
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
 )
 from spmd_engine.engine.dp_waves import needs_dp_waves
 from spmd_engine.engine.vllm_args import none_means_default
@@ -72,8 +78,12 @@ class EngineArgs:
         """Checked in this order; `check_kv_budget=False` for a plan that reports the budget
         instead of refusing it."""
         from spmd_engine.engine.input_processor import InputProcessor
-        from spmd_engine.model.partition import (check_model_parallel, expert_parallel_size,
-                                                  moe_width_ranks_across_dp, parse_pp_partition)
+        from spmd_engine.model.partition import (
+            check_model_parallel,
+            expert_parallel_size,
+            moe_width_ranks_across_dp,
+            parse_pp_partition,
+        )
         max_num_seqs, block_size, gpu_memory_utilization = none_means_default(
             max_num_seqs=self.max_num_seqs, block_size=self.block_size,
             gpu_memory_utilization=self.gpu_memory_utilization)

@@ -6,14 +6,14 @@ import logging
 from collections import deque
 from typing import Iterator
 
-from spmd_engine.worker import kv_sizing
 from spmd_engine.config import EngineConfig
 from spmd_engine.core.kv_cache_manager import KVCacheManager
-from spmd_engine.engine.core_client import EngineDeadError, FinishedCallback
 from spmd_engine.core.request import Request
 from spmd_engine.core.scheduler import Scheduler
+from spmd_engine.engine.core_client import EngineDeadError, FinishedCallback
 from spmd_engine.engine.stop_strings import StopStringWatcher
 from spmd_engine.executor.abstract import Executor
+from spmd_engine.worker import kv_sizing
 
 logger = logging.getLogger("spmd_engine")
 

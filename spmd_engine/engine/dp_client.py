@@ -26,8 +26,8 @@ from multiprocessing.connection import wait
 
 from spmd_engine import topology
 from spmd_engine.config import EngineConfig
-from spmd_engine.engine.core_client import EngineCoreClient, EngineDeadError, FinishedCallback
 from spmd_engine.core.request import Request
+from spmd_engine.engine.core_client import EngineCoreClient, EngineDeadError, FinishedCallback
 from spmd_engine.executor.abstract import dumps_method, loads_method
 
 POLL_S = 0.2

@@ -9,7 +9,6 @@ from __future__ import annotations
 from spmd_engine.config import ConfigError
 
 
-
 class InputProcessor:
     def __init__(self, model_dir: str, max_model_len: int | None = None):
         """max_model_len defaults to the model's max_position_embeddings, as in vLLM; only the KV

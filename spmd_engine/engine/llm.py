@@ -15,10 +15,10 @@ from typing import Any, Callable, Sequence
 
 from spmd_engine import topology
 from spmd_engine.config import DEFAULT_MAX_NUM_SEQS, ConfigError
+from spmd_engine.core.request import Request
 from spmd_engine.engine.arg_utils import EngineArgs, EngineSetup
 from spmd_engine.engine.core_client import EngineCoreClient, EngineDeadError, InProcClient
 from spmd_engine.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from spmd_engine.core.request import Request
 from spmd_engine.engine.vllm_args import accept_vllm_kwargs
 from spmd_engine.sampling_params import SamplingParams
 

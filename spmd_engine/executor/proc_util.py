@@ -84,5 +84,6 @@ def mp_context():
     an mp LLM needs an `if __name__ == "__main__":` guard. SPMD_ENGINE_WORKER_MULTIPROC_METHOD
     =fork trades that safety for faster start-up."""
     import multiprocessing as mp
+
     from spmd_engine import envs
     return mp.get_context(envs.worker_multiproc_method())

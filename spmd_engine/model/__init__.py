@@ -5,8 +5,8 @@ process-global group.
 """
 
 from spmd_engine.model.layers.attention import AttentionMetadata
-from spmd_engine.model.models.llama import CausalLM
 from spmd_engine.model.loader import BUNDLED_MODEL_DIR, load_model, read_hf_config
+from spmd_engine.model.models.llama import CausalLM
 from spmd_engine.model.partition import PP_PARTITION_ENV, check_model_parallel, pp_layer_range
 from spmd_engine.model.spec import SUPPORTED_ARCHITECTURES, ModelSpec
 from spmd_engine.model.tokenizer import ByteTokenizer, load_tokenizer

@@ -10,8 +10,8 @@ shard, however large the checkpoint.
 from __future__ import annotations
 
 import json
-import zlib
 import os
+import zlib
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -21,8 +21,8 @@ from safetensors import SafetensorError, safe_open
 
 from spmd_engine.config import ConfigError
 from spmd_engine.model.models.llama import CausalLM
-from spmd_engine.model.weights import WeightLoadError
 from spmd_engine.model.partition import check_model_parallel
+from spmd_engine.model.weights import WeightLoadError
 
 BUNDLED_MODEL_DIR = Path(__file__).resolve().parent.parent / "bundled"
 INDEX_FILE = "model.safetensors.index.json"

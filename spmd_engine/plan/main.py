@@ -11,12 +11,17 @@ import json
 import os
 import sys
 
-from spmd_engine.run.cli_args import (
-    EXIT_USAGE, UsageParser, add_cache_args, add_parallel_args, check_cache_args, parallel_config_from_args,
-)
 from spmd_engine.config import ConfigError, ParallelConfig, launched_by_torchrun
 from spmd_engine.plan.moe import render_moe_plan
 from spmd_engine.plan.report import plan_dict, render_plan
+from spmd_engine.run.cli_args import (
+    EXIT_USAGE,
+    UsageParser,
+    add_cache_args,
+    add_parallel_args,
+    check_cache_args,
+    parallel_config_from_args,
+)
 from spmd_engine.topology import Layout, TopologyError
 
 

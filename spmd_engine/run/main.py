@@ -13,14 +13,17 @@ import os
 import signal
 import sys
 import time
-
 from typing import TYPE_CHECKING
 
-from spmd_engine.run.cli_args import (
-    EXIT_USAGE, UsageParser, add_cache_args, add_parallel_args, check_cache_args,
-)
 from spmd_engine.config import DEFAULT_MAX_NUM_SEQS, DTYPES, ConfigError
 from spmd_engine.distributed.launch_env import launched_rank
+from spmd_engine.run.cli_args import (
+    EXIT_USAGE,
+    UsageParser,
+    add_cache_args,
+    add_parallel_args,
+    check_cache_args,
+)
 from spmd_engine.run.jobs import check_launched_world, prompts_to_do, run_launched, run_local
 from spmd_engine.run.prompts import PromptInput, load_prompts
 from spmd_engine.run.records import print_records

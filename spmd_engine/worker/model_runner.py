@@ -15,10 +15,10 @@ import logging
 
 import torch
 
-from spmd_engine.worker import kv_sizing
 from spmd_engine.config import EngineConfig
-from spmd_engine.sample.sampler import Sampler, logprob_entries
 from spmd_engine.core.step_messages import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, SchedulerOutput
+from spmd_engine.sample.sampler import Sampler, logprob_entries
+from spmd_engine.worker import kv_sizing
 
 logger = logging.getLogger("spmd_engine")
 
@@ -44,8 +44,8 @@ class ModelRunner:
 
     # -- start-up ---------------------------------------------------------------
     def load_model(self) -> None:
-        from spmd_engine.model.loader import load_model
         from spmd_engine.model.layers.packed_weights import pack_linear_weights, packing_applies
+        from spmd_engine.model.loader import load_model
         mc = self.config.model_config
         self.model = load_model(mc.model_dir, self.tp_group, self.pp_group, dtype=mc.dtype,
                                 device=self.device, pp_partition=mc.pp_partition,

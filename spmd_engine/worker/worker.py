@@ -58,7 +58,11 @@ class Worker:
 
     def _init_groups(self) -> None:
         from spmd_engine.distributed import (
-            get_dp_group, get_pp_group, get_tp_group, get_world_group, init_distributed_environment,
+            get_dp_group,
+            get_pp_group,
+            get_tp_group,
+            get_world_group,
+            init_distributed_environment,
             initialize_model_parallel,
         )
         pc = self.config.parallel_config

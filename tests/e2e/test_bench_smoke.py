@@ -13,7 +13,6 @@ import math
 import sys
 
 import pytest
-
 from launch import REPO, run_checked
 
 FIGURES = "decode,capacity,prefix,chunked,pp"

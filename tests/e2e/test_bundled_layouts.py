@@ -7,9 +7,9 @@ whole text, so a wrong shard, stage or KV-head replica shows up as wrong text.
 from __future__ import annotations
 
 import pytest
+from zen import zen
 
 from spmd_engine import LLM, SamplingParams
-from zen import zen
 
 NEW_TOKENS = 40
 

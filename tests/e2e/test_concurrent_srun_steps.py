@@ -12,10 +12,10 @@ import random
 import socket
 import uuid
 
-import pytest
-
 import fake_slurm
+import pytest
 from launch import PYTHON, Launch, base_env
+
 from spmd_engine.distributed.launch_env import port_from_job_id, read_launch_env
 
 

@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 from launch import REPO, SHM_DIR, Launch, base_env, free_port, unique_tag
 from zen import continuation
 

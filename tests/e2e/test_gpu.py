@@ -10,7 +10,6 @@ import sys
 
 import pytest
 import torch
-
 from launch import REPO, base_env, run_checked, run_torchrun
 from zen import continuation
 

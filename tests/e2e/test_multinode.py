@@ -10,7 +10,6 @@ import json
 import subprocess
 
 import pytest
-
 from launch import PYTHON, REPO, base_env, run_torchrun
 
 PROMPTS = ["Simple is", "Errors should", "Now is", "Readability", "Special cases"]

@@ -13,9 +13,19 @@ import time
 from pathlib import Path
 
 import pytest
+from launch import (
+    PYTHON,
+    REPO,
+    Launch,
+    base_env,
+    free_port,
+    mapped_segments,
+    pid_alive,
+    run_torchrun,
+    tagged_pids,
+    unique_tag,
+)
 
-from launch import (PYTHON, REPO, Launch, base_env, free_port, mapped_segments, pid_alive, run_torchrun, tagged_pids,
-                    unique_tag)
 from spmd_engine import LLM, SamplingParams
 from spmd_engine.engine.core_client import EngineDeadError
 

@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from launch import REPO, base_env, run_torchrun, tagged_pids
 
 PROMPTS = ["Beautiful is", "Explicit is", "Simple is", "Complex is", "Flat is", "Sparse is",

@@ -11,7 +11,6 @@ import json
 import sys
 
 import pytest
-
 from engine_helpers import make_tiny_checkpoint
 from launch import run_checked, run_torchrun
 from zen import continuation

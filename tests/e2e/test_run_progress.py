@@ -11,7 +11,6 @@ import subprocess
 import sys
 
 import pytest
-
 from launch import REPO, base_env
 
 PROMPTS = ["Beautiful is", "Simple is", "Errors should", "Now is", "Readability"] * 8  # 40 prompts

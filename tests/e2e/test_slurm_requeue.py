@@ -16,9 +16,8 @@ import sys
 import time
 import uuid
 
-import pytest
-
 import fake_slurm
+import pytest
 from launch import REPO, Launch, base_env, stale_segments, tagged_pids
 
 SLURM_DIR = REPO / "scripts" / "slurm"

@@ -12,9 +12,8 @@ import json
 import subprocess
 import uuid
 
-import pytest
-
 import fake_slurm
+import pytest
 from launch import PYTHON, REPO, Launch, base_env
 
 SLURM_DIR = REPO / "scripts" / "slurm"

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from launch import run_torchrun
 from zen import continuation
 

@@ -11,10 +11,10 @@ checked apart from the runtime; engine tests run the real GroupCoordinator.
 
 from __future__ import annotations
 
+import datetime
 import multiprocessing as mp
 import os
 import queue
-import datetime
 import traceback
 from typing import Any, Callable, Sequence
 

@@ -2,7 +2,6 @@
 
 import numpy as np
 import torch
-
 from engine_helpers import packed_step
 from make_random_checkpoint import make_random_checkpoint  # noqa: F401  (re-exported for the tests)
 

@@ -2,7 +2,6 @@
 
 import pytest
 from _pytest.outcomes import Failed, Skipped
-
 from conftest import require_reference
 
 

@@ -22,9 +22,9 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from spmd_engine import envs
-from torch import nn
 
 # Set to 0 to keep plain row-major weights (for comparison, or to rule packing out).
 ENV_FLAG = envs.CPU_PACKED_WEIGHTS

@@ -31,6 +31,7 @@ from spmd_engine.model.partition import check_model_parallel, pp_layer_range
 from spmd_engine.model.spec import ModelSpec
 from spmd_engine.model.weights import CausalLMWeights
 
+
 class LlamaAttention(nn.Module):
     def __init__(self, spec: ModelSpec, tp_group, dtype: torch.dtype):
         super().__init__()

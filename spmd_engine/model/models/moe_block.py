@@ -16,8 +16,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from spmd_engine.model.layers.mlp import SwiGLUMLP
 from spmd_engine.model.layers.fused_moe import FusedMoE
+from spmd_engine.model.layers.mlp import SwiGLUMLP
 from spmd_engine.model.layers.moe_routing import route
 from spmd_engine.model.layers.packed_weights import linear
 from spmd_engine.model.shard import replicated_weight_loader

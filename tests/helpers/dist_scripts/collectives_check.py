@@ -22,9 +22,9 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from spmd_engine import distributed as sd
 from spmd_engine import topology
 from spmd_engine.config import ConfigError, ParallelConfig
-from spmd_engine import distributed as sd
 from spmd_engine.distributed import parallel_state as ps
 from spmd_engine.distributed.live_check import run_live_check
 

@@ -4,8 +4,8 @@ so the groups come up), which the live check must report against the plan."""
 
 import sys
 
-from spmd_engine.plan import main as plan
 from spmd_engine.distributed import parallel_state as ps
+from spmd_engine.plan import main as plan
 
 _real = ps.GroupCoordinator
 

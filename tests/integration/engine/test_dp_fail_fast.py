@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from launch import pid_alive
 
 from spmd_engine import LLM, SamplingParams

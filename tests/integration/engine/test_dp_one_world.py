@@ -7,8 +7,8 @@ Before: each replica was its own world of TP x PP ranks, so the DP and EP groups
 from __future__ import annotations
 
 import pytest
-
 from engine_helpers import make_tiny_checkpoint
+
 from spmd_engine import LLM
 from spmd_engine.plan.report import plan_dict
 from spmd_engine.topology import Layout

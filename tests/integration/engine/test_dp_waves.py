@@ -15,9 +15,9 @@ import signal
 import time
 
 import pytest
-
 from engine_helpers import make_random_checkpoint, make_tiny_checkpoint, reference_greedy
 from launch import REPO, pid_alive, run_torchrun
+
 from spmd_engine import LLM, SamplingParams
 from spmd_engine.config import ConfigError, ParallelConfig
 from spmd_engine.engine.core_client import EngineDeadError

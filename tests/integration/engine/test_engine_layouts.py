@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from engine_helpers import make_tiny_checkpoint, reference_greedy
+
 from spmd_engine import LLM, SamplingParams
 from spmd_engine.config import ConfigError
 

@@ -11,9 +11,9 @@ import json
 import re
 
 import pytest
-
 from engine_helpers import make_tiny_checkpoint, reference_greedy
 from launch import run_torchrun
+
 from spmd_engine import LLM, SamplingParams
 from spmd_engine.config import ConfigError
 

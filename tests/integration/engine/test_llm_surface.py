@@ -10,8 +10,8 @@ import logging
 import os
 
 import pytest
-
 from engine_helpers import make_tiny_checkpoint
+
 from spmd_engine import LLM, SamplingParams
 from spmd_engine.config import ConfigError
 

@@ -8,8 +8,8 @@ import math
 
 import pytest
 import torch
-
 from engine_helpers import make_tiny_checkpoint, reference_greedy
+
 from spmd_engine import LLM, SamplingParams
 from spmd_engine.config import ConfigError
 

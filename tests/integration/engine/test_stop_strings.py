@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from engine_helpers import make_tiny_checkpoint
+from zen import continuation
+
 from spmd_engine import LLM, SamplingParams
 from spmd_engine.config import ConfigError
-from zen import continuation
 
 PROMPT = "Beautiful is"  # the model goes on: " better than ugly.\nExplicit is better than implicit.\n..."
 

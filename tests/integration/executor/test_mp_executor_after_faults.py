@@ -12,14 +12,12 @@ import threading
 import time
 from pathlib import Path
 
+import cloudpickle
 import pytest
-
 from launch import pid_alive
 
 from spmd_engine import LLM, SamplingParams
 from spmd_engine.engine.core_client import EngineDeadError
-
-import cloudpickle
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this test module
 

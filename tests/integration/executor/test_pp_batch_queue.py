@@ -9,11 +9,11 @@ TP=2 x PP=2) and compares with uni, greedy and seeded, with two steps in flight.
 from __future__ import annotations
 
 import pytest
-
 from engine_helpers import make_tiny_checkpoint
+from scheduler_helpers import drive, make, scheduler
+
 from spmd_engine import LLM, SamplingParams
 from spmd_engine.core.step_messages import ModelRunnerOutput
-from scheduler_helpers import drive, make, scheduler
 
 
 def reply(out, token=7):

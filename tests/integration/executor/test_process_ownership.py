@@ -15,8 +15,8 @@ import threading
 import time
 
 import pytest
+from launch import REPO, base_env, pid_alive, tagged_pids
 
-from launch import REPO, base_env, tagged_pids, pid_alive
 from spmd_engine import LLM, SamplingParams
 
 

@@ -18,11 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import require_reference
-from spmd_engine import LLM, SamplingParams
-
 from make_random_checkpoint import make_random_checkpoint  # noqa: E402
+
+from spmd_engine import LLM, SamplingParams
 
 MAX_TOKENS = 12
 TOP_K = 3

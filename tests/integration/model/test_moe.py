@@ -20,21 +20,19 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import require_reference
-from spmd_engine import LLM, SamplingParams
-from spmd_engine.config import ConfigError
-from spmd_engine.model.models.llama import CausalLM
-from spmd_engine.model.loader import checkpoint_files, read_hf_config
-from spmd_engine.model.layers.fused_moe import expert_outputs
-from spmd_engine.model.layers.moe_routing import route
-from spmd_engine.model.partition import check_model_parallel
-from spmd_engine.model.solo import SoloGroup
+from launch import REPO
+from make_random_checkpoint import make_random_checkpoint  # noqa: E402
 from test_hf_reference import copy_with_config, disagreements, engine_outputs, hf_logprobs, hf_model, prompts_for
 
-from make_random_checkpoint import make_random_checkpoint  # noqa: E402
-from launch import REPO
-
+from spmd_engine import LLM, SamplingParams
+from spmd_engine.config import ConfigError
+from spmd_engine.model.layers.fused_moe import expert_outputs
+from spmd_engine.model.layers.moe_routing import route
+from spmd_engine.model.loader import checkpoint_files, read_hf_config
+from spmd_engine.model.models.llama import CausalLM
+from spmd_engine.model.partition import check_model_parallel
+from spmd_engine.model.solo import SoloGroup
 
 CONFIGS = {
     "mixtral-4x-top2": dict(
@@ -309,6 +307,7 @@ def test_update_weights_reaches_only_the_expert_holders(checkpoints):
     """A trainer's full HF-named tensors (RL weight sync): each EP rank copies its own experts'
     tensors and skips the others'; with packing on, the packed experts follow the update."""
     from safetensors.torch import load_file
+
     from spmd_engine.model.layers.packed_weights import pack_linear_weights
     path = checkpoints["qwen3moe-normtopk-step2-headdim32"]  # sparse layers 1 and 3, 8 experts
     state = load_file(str(path / "model.safetensors"))

@@ -9,7 +9,6 @@ import json
 import re
 
 import pytest
-
 from conftest import require_reference
 from launch import REPO, run_torchrun
 

@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-
 from engine_helpers import make_tiny_checkpoint
+
 from spmd_engine import LLM, Logprob, SamplingParams
 from spmd_engine.config import ConfigError
 

@@ -4,8 +4,8 @@ the weights too; `wake_up` (all, or by tag) and a weight reload restore identica
 from __future__ import annotations
 
 import pytest
-
 from engine_helpers import make_tiny_checkpoint
+
 from spmd_engine import LLM, SamplingParams
 from spmd_engine.config import ConfigError
 

@@ -13,9 +13,9 @@ import random
 
 import pytest
 import torch
+from engine_helpers import make_tiny_checkpoint, reference_greedy
 from safetensors.torch import load_file
 
-from engine_helpers import make_tiny_checkpoint, reference_greedy
 from spmd_engine import LLM, SamplingParams
 
 # The first prompt spans two full 16-token blocks: a second generate hits the prefix cache.
@@ -257,9 +257,9 @@ def test_every_checkpoint_tensor_is_known_and_an_update_equals_a_fresh_load(tmp_
     """hf_tensor_shapes names every tensor of each architecture with its shape, and after
     update_weights(new) every parameter equals the one a fresh load of `new` gives."""
     from spmd_engine.model import load_model
-    from spmd_engine.model.weights import hf_tensor_shapes
     from spmd_engine.model.layers.packed_weights import pack_linear_weights
     from spmd_engine.model.solo import SoloGroup
+    from spmd_engine.model.weights import hf_tensor_shapes
     old = make_tiny_checkpoint(tmp_path / "old", seed=0, **config)
     new = make_tiny_checkpoint(tmp_path / "new", seed=1, **config)
     model = load_model(old, SoloGroup(), SoloGroup())

@@ -6,7 +6,6 @@ with no launcher variables at all."""
 import json
 
 import pytest
-
 from launch import PYTHON, REPO, run_checked, run_ranks_on_free_port, run_torchrun
 
 SCRIPT = str(REPO / "tests" / "helpers" / "dist_scripts" / "trainer_world.py")

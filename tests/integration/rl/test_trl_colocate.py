@@ -18,10 +18,9 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
 from engine_helpers import make_tiny_checkpoint
 from launch import REPO, run_ranks_on_free_port, run_torchrun
+from safetensors.torch import load_file, save_file
 
 SCRIPT = str(REPO / "tests" / "helpers" / "dist_scripts" / "trl_colocate.py")
 

@@ -5,15 +5,15 @@ import subprocess
 import sys
 
 import pytest
+from launch import REPO
+from scheduler_helpers import EOS, drive, make, same_inputs_trace, scheduler
 
 from spmd_engine.config import ConfigError, SchedulerConfig
 from spmd_engine.core.block_pool import BlockPool, chain_hash
 from spmd_engine.core.kv_cache_manager import KVCacheManager
 from spmd_engine.core.request import Request
-from spmd_engine.sampling_params import SamplingParams
 from spmd_engine.core.step_messages import ModelRunnerOutput
-from launch import REPO
-from scheduler_helpers import EOS, drive, make, same_inputs_trace, scheduler
+from spmd_engine.sampling_params import SamplingParams
 
 # ---------------------------------------------------------------- block pool
 

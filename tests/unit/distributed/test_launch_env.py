@@ -3,8 +3,14 @@
 import pytest
 
 from spmd_engine.config import ConfigError
-from spmd_engine.distributed.launch_env import (PORT_BASE, PORT_SPAN, LaunchEnv, expand_nodelist,
-                                                port_from_job_id, read_launch_env)
+from spmd_engine.distributed.launch_env import (
+    PORT_BASE,
+    PORT_SPAN,
+    LaunchEnv,
+    expand_nodelist,
+    port_from_job_id,
+    read_launch_env,
+)
 
 
 def test_nothing_launched():

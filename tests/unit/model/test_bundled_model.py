@@ -14,10 +14,10 @@ import json
 import sys
 
 import pytest
-from conftest import require_reference
 import torch
-
+from conftest import require_reference
 from fake_groups import SoloGroup
+
 from spmd_engine.config import ConfigError
 from spmd_engine.model import BUNDLED_MODEL_DIR, AttentionMetadata, ByteTokenizer, load_model, load_tokenizer
 from spmd_engine.model.tokenizer import HFTokenizer

@@ -12,11 +12,11 @@ import math
 
 import numpy as np
 import pytest
-from conftest import require_reference
 import torch
 import torch.nn.functional as F
-
+from conftest import require_reference
 from fake_groups import DistGroup, ShardOnlyGroup, SoloGroup, run_distributed
+
 from spmd_engine.model.layers import (
     Attention,
     AttentionMetadata,

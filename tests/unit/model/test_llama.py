@@ -12,18 +12,18 @@ import json
 
 import numpy as np
 import pytest
-from conftest import require_reference
 import torch
-
+from conftest import require_reference
+from engine_helpers import packed_step
 from fake_groups import ShardOnlyGroup, SoloGroup, make_grid_groups, run_distributed
+from make_random_checkpoint import make_random_checkpoint  # noqa: E402
+from model_helpers import _TOKENS, BLOCK_SIZE, LLAMA, QWEN_TIED, SCHEDULE, SEQ_NAMES, run_schedule
+
 from spmd_engine.config import ConfigError
 from spmd_engine.model import check_model_parallel, load_model, pp_layer_range
 from spmd_engine.model import loader as loader_module
 from spmd_engine.model.partition import PP_PARTITION_ENV
 
-from make_random_checkpoint import make_random_checkpoint  # noqa: E402
-from engine_helpers import packed_step
-from model_helpers import BLOCK_SIZE, LLAMA, QWEN_TIED, SCHEDULE, SEQ_NAMES, _TOKENS, run_schedule
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):

@@ -11,12 +11,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from fake_groups import SoloGroup
+from model_helpers import LLAMA, QWEN_TIED, make_random_checkpoint, run_schedule
+
 from spmd_engine import LLM, SamplingParams
 from spmd_engine.model import load_model
 from spmd_engine.model.layers.packed_weights import ENV_FLAG, pack_linear_weights, packing_applies
-from model_helpers import LLAMA, QWEN_TIED, make_random_checkpoint, run_schedule
 
 BF16_KERNELS = packing_applies(torch.bfloat16, torch.device("cpu"))
 needs_bf16 = pytest.mark.skipif(not BF16_KERNELS, reason="this CPU's oneDNN has no bf16 kernels")

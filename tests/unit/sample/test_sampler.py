@@ -4,8 +4,8 @@ batching, the vectorised draw against a per-row reference, logprobs."""
 import pytest
 import torch
 
-from spmd_engine.sample import draw as sample_draw
 from spmd_engine.config import ConfigError
+from spmd_engine.sample import draw as sample_draw
 from spmd_engine.sample.penalties import apply_penalties
 from spmd_engine.sample.sampler import RequestState, Sampler
 from spmd_engine.sampling_params import SamplingParams
