@@ -23,7 +23,8 @@ def test_missing_reference_fails_under_ci(monkeypatch):
 
 
 def test_ci_runs_the_readme_test_command_verbatim():
-    """.ci/run's command is the README's, character for character, and prints skip reasons."""
+    """.ci/run's command is the README's, character for character: it lints, then runs the suite
+    and prints skip reasons."""
     from launch import REPO
 
     readme = (REPO / "README.md").read_text()
@@ -31,4 +32,5 @@ def test_ci_runs_the_readme_test_command_verbatim():
     ci_lines = (REPO / ".ci" / "run").read_text().strip().splitlines()
     assert block.strip() == ci_lines[-1], (block, ci_lines[-1])
     assert " -rs " in ci_lines[-1] and "'.[test]'" in ci_lines[-1]
+    assert ".venv/bin/ruff check . && " in ci_lines[-1]  # the lint runs before the suite, in CI too
     assert any(line.startswith('export CI="${CI:-1}"') for line in ci_lines)  # missing references fail
