@@ -10,8 +10,8 @@ shared memory.
 from __future__ import annotations
 
 import json
-import os
 import multiprocessing as mp
+import os
 import time
 from pathlib import Path
 
@@ -25,8 +25,10 @@ pytestmark = pytest.mark.skipif(not shm_allreduce_enabled(), reason="shared-memo
 def _rank_main(rank: int, scenario: str, store: str, out: str) -> None:
     import torch
     import torch.distributed as dist
+
+    from spmd_engine.distributed.errors import CollectiveError
     from spmd_engine.distributed.group_coordinator import GroupCoordinator  # noqa: F401 (import check)
-    from spmd_engine.distributed.shm_allreduce import CollectiveError, ShmAllReduce
+    from spmd_engine.distributed.shm_allreduce import ShmAllReduce
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     shm = ShmAllReduce.create(dist.group.WORLD, [0, 1], "tp [0, 1]", timeout_s=1.0)
@@ -102,6 +104,7 @@ def test_a_rank_that_timed_out_takes_its_peer_off_shared_memory(tmp_path):
 def _setup_rank_main(rank: int, store: str, marker: str) -> None:
     """Rank 1 takes 60 s to attach: rank 0 sits in set-up with the segment made, then is SIGKILLed."""
     import torch.distributed as dist
+
     from spmd_engine.distributed.shm_allreduce import ShmAllReduce
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     if rank == 1:
@@ -120,8 +123,7 @@ def test_a_creator_killed_mid_setup_leaves_no_name_in_dev_shm(tmp_path):
     # CI once found spmd_ar_<pid>_<token> left by a torchrun rank SIGKILLed while its TP group
     # was still setting up (the first all-reduce, just after "engine ready"): the name lived
     # until every peer had attached. Now it is unlinked at creation; peers attach by descriptor.
-    from launch import stale_segments
-    from launch import mapped_segments
+    from launch import mapped_segments, stale_segments
     ctx = mp.get_context("spawn")
     marker = str(tmp_path / "ready")
     procs = [ctx.Process(target=_setup_rank_main, args=(r, str(tmp_path / "store"), marker)) for r in range(2)]

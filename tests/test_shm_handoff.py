@@ -38,8 +38,9 @@ def _messages(rank: int):
 def _rank_main(rank: int, scenario: str, store: str, out: str) -> None:
     import torch
     import torch.distributed as dist
+
+    from spmd_engine.distributed.errors import CollectiveError
     from spmd_engine.distributed.group_coordinator import GroupCoordinator
-    from spmd_engine.distributed.shm_allreduce import CollectiveError
     torch.set_num_threads(1)
     if scenario == "disabled" and rank == 1:
         os.environ[DISABLE_ENV] = "1"

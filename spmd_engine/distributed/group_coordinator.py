@@ -26,7 +26,8 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from spmd_engine.distributed.shm_allreduce import CollectiveError, ShmAllReduce
+from spmd_engine.distributed.errors import CollectiveError
+from spmd_engine.distributed.shm_allreduce import ShmAllReduce
 from spmd_engine.distributed.shm_handoff import ShmHandoff
 
 _name_counters: dict[str, Iterator[int]] = defaultdict(itertools.count)

@@ -50,6 +50,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from spmd_engine.distributed.errors import CollectiveError
 from spmd_engine.shm_segment import SHM_DIR, ShmSegment
 
 logger = logging.getLogger("spmd_engine")
@@ -63,10 +64,6 @@ _OPS = {"all_reduce": 1, "all_gather": 2}
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64,
                     torch.int32, torch.int64)
 _HALF = (torch.bfloat16, torch.float16)
-
-
-class CollectiveError(TimeoutError):
-    """A collective could not complete: a peer is stuck past the timeout, or gone."""
 
 
 def shm_allreduce_enabled() -> bool:

@@ -32,7 +32,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from spmd_engine.distributed.shm_allreduce import CollectiveError, _process_identity, shm_allreduce_enabled
+from spmd_engine.distributed.errors import CollectiveError
+from spmd_engine.distributed.shm_allreduce import _process_identity, shm_allreduce_enabled
 from spmd_engine.executor.shm_queue import MessageQueue, PeerGoneError
 
 logger = logging.getLogger("spmd_engine")
