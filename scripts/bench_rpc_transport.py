@@ -36,7 +36,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from spmd_engine.executor.shm_queue import MessageQueue, WaitPolicy  # noqa: E402
+from spmd_engine.distributed.shm.message_queue import MessageQueue, WaitPolicy  # noqa: E402
 
 N_WORKERS = 2
 

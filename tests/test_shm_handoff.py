@@ -92,7 +92,7 @@ def _rank_main(rank: int, scenario: str, store: str, out: str) -> None:
             g.barrier()
     elif scenario == "dead":
         if rank == 1:  # slow to finish set-up: rank 0 is gone before this rank's set-up returns
-            from spmd_engine.executor.shm_queue import MessageQueue
+            from spmd_engine.distributed.shm.message_queue import MessageQueue
             real = MessageQueue.wait_attached
 
             def slow(self, *args, **kwargs):

@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from spmd_engine.distributed.errors import CollectiveError
-from spmd_engine.shm_segment import SHM_DIR, ShmSegment
+from spmd_engine.distributed.shm.segment import SHM_DIR, Lifetime, Segment, SegmentRef
 
 logger = logging.getLogger("spmd_engine")
 
@@ -130,42 +130,39 @@ class ShmAllReduce:
         # /proc, so the segment needs no name at all; otherwise a name lives until all attached.
         peers = [(i[2], i[3]) for i in infos]
         watch = all(ident is not None and _process_identity(pid) == ident for pid, ident in peers)
-        seg = cls._make_segment(size, label, unlinked=watch) if me == 0 else None
-        where = [None if seg is None else (seg.name, os.getpid(), seg.fd)]
+        seg = cls._make_segment(size, label, Lifetime.NAMELESS if watch else Lifetime.UNTIL_ATTACHED) \
+            if me == 0 else None
+        where = [None if seg is None else seg.ref()]
         mm = None
         try:
             dist.broadcast_object_list(where, src=ranks[0], group=cpu_group)
             if where[0] is None:
                 return None
-            mm = seg.mm if seg is not None else cls._attach(*where[0], size)
+            mm = seg.mm if seg is not None else cls._attach(where[0])
             attached: list = [None] * nranks
             dist.all_gather_object(attached, mm is not None, group=cpu_group)
         finally:
             if seg is not None:
-                seg.unlink()  # everyone attached, gave up or failed (a no-op when it had no name)
-                seg.close_fd()
+                seg.unlink()  # everyone attached, gave up or failed: the name (or descriptor) goes
         if not all(attached):
             if mm is not None:
                 mm.close()
             return None
-        name = where[0][0].lstrip("/")
+        name = where[0].name.lstrip("/")
         return cls(mm, name, nranks, me, slot_bytes, label, timeout_s, peers if watch else None)
 
     @staticmethod
-    def _attach(name: str, creator: int, fd: int | None, size: int) -> mmap.mmap | None:
+    def _attach(ref: SegmentRef) -> mmap.mmap | None:
         try:
-            if fd is not None:
-                return ShmSegment.attach_fd(creator, fd, size).mm
-            return ShmSegment.attach(name, size).mm
+            return Segment.attach(ref).mm
         except OSError:
             return None
 
     @staticmethod
-    def _make_segment(size: int, label: str, unlinked: bool) -> ShmSegment | None:
+    def _make_segment(size: int, label: str, lifetime: Lifetime) -> Segment | None:
         """Reserved up front (a full tmpfs fails here, not with SIGBUS later); None: use gloo."""
         try:
-            return ShmSegment.create(size, SHM_PREFIX, what=f"the all-reduce of group {label}",
-                                     unlinked=unlinked)
+            return Segment.create(size, SHM_PREFIX, lifetime=lifetime, what=f"the all-reduce of group {label}")
         except OSError as exc:
             logger.warning("group %s: no shared-memory all-reduce, using gloo: %s", label, exc)
             return None

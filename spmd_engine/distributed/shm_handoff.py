@@ -7,7 +7,7 @@ about 0.4 ms at the median on this 2-core box and stalls for 3-8 ms in one hand-
 p90 of the receiver's wait 11.8 ms against 8.5 ms through a shared-memory queue). In a PP=2
 decode each stage's step is about 10 ms, so those stalls idled both stages a third of the time.
 
-Each rank writes to its next rank through one MessageQueue (executor/shm_queue.py: a ring
+Each rank writes to its next rank through one MessageQueue (distributed/shm/message_queue.py: a ring
 with futex wake-ups, one writer, one reader), so a group of n ranks holds n queues, each
 rank the writer of one and the reader of another. Every message carries a sequence number
 per direction; a receiver that gets another number than it expects (a sender that gave up
@@ -33,8 +33,9 @@ import torch
 import torch.distributed as dist
 
 from spmd_engine.distributed.errors import CollectiveError
+from spmd_engine.distributed.shm.message_queue import MessageQueue, PeerGoneError
+from spmd_engine.distributed.shm.segment import Lifetime
 from spmd_engine.distributed.shm_allreduce import _process_identity, shm_allreduce_enabled
-from spmd_engine.executor.shm_queue import MessageQueue, PeerGoneError
 
 logger = logging.getLogger("spmd_engine")
 
@@ -75,7 +76,7 @@ class ShmHandoff:
             # No name from the start (a rank SIGKILLed mid set-up leaves nothing in /dev/shm, and
             # no resource tracker is needed): the next rank attaches through /proc/<pid>/fd.
             outbound = MessageQueue.create(n_readers=1, chunk_bytes=CHUNK_BYTES, n_chunks=N_CHUNKS,
-                                           label=f"handoff {label}", unlinked=True)
+                                           label=f"handoff {label}", lifetime=Lifetime.NAMELESS)
         except OSError as exc:
             logger.warning("group %s: no shared-memory hand-off, using gloo: %s", label, exc)
         handles: list = [None] * n

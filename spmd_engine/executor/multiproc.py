@@ -20,8 +20,8 @@ import weakref
 from typing import Any, Callable
 
 from spmd_engine import topology
+from spmd_engine.distributed.shm.message_queue import MessageQueue, PeerGoneError, UnpicklableError
 from spmd_engine.executor.abstract import Executor, dumps_method
-from spmd_engine.executor.shm_queue import MessageQueue, PeerGoneError, UnpicklableError
 from spmd_engine.executor.worker_proc import FAILURE, SHUTDOWN, WorkerHandle, start_worker
 
 # How long a failing call waits for a worker's death to become visible (its sentinel), so a

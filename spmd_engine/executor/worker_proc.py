@@ -14,8 +14,12 @@ import os
 import traceback
 from dataclasses import dataclass
 
-from spmd_engine.executor.shm_queue import (MessageQueue, MessageQueueHandle, PeerGoneError,
-                                            UnpicklableError)
+from spmd_engine.distributed.shm.message_queue import (
+    MessageQueue,
+    MessageQueueHandle,
+    PeerGoneError,
+    UnpicklableError,
+)
 
 SUCCESS, FAILURE = "success", "failure"
 SHUTDOWN = "__shutdown__"

@@ -1,4 +1,4 @@
-"""MessageQueue (spmd_engine.executor.shm_queue) across real processes.
+"""MessageQueue (spmd_engine.distributed.shm.message_queue) across real processes.
 
 Readers and writers run in ``spawn`` children, as the mp executor's workers
 do.  Every test gets a unique queue label from the ``leak_check`` fixture;
@@ -16,11 +16,12 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from spmd_engine.executor.shm_queue import MessageQueue, PeerGoneError
+from spmd_engine.distributed.shm.message_queue import MessageQueue, PeerGoneError
 
 CTX = mp.get_context("spawn")
 SMALL = dict(chunk_bytes=4096, n_chunks=4)  # small ring: wraps and blocks often
@@ -330,7 +331,7 @@ def test_name_unlinked_once_everyone_attached(leak_check):
 _TRACKER_SCRIPT = textwrap.dedent("""
     import multiprocessing as mp, os, signal, sys
     sys.path.insert(0, {root!r})
-    from spmd_engine.executor.shm_queue import MessageQueue
+    from spmd_engine.distributed.shm.message_queue import MessageQueue
 
     def child(h):
         q = MessageQueue.attach(h, 0)
@@ -361,7 +362,7 @@ _TRACKER_SCRIPT = textwrap.dedent("""
 def test_resource_tracker_quiet_and_cleans_up_after_crash(leak_check, crash,
                                                          tmp_path):
     label, _ = leak_check
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(Path(__file__).resolve().parents[4])  # the repository
     script = tmp_path / "tracker_script.py"  # spawn needs a real main file
     script.write_text(_TRACKER_SCRIPT.format(root=root, label=label, crash=crash))
     res = subprocess.run([sys.executable, str(script)], capture_output=True,
