@@ -512,8 +512,9 @@ def pp_vs_uni(args, prompts, new: int, fresh_prefill: bool, partition: str | Non
     `fresh_prefill` empties the prefix cache before every run, so each run computes its
     prompts."""
     import torch
+
     from spmd_engine import LLM, SamplingParams
-    from spmd_engine.distributed.shm_handoff import DISABLE_ENV as DISABLE_HANDOFF
+    from spmd_engine.envs import DISABLE_SHM_HANDOFF as DISABLE_HANDOFF
     threads, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
     torch.set_num_threads(1)
     os.environ["OMP_NUM_THREADS"] = "1"  # one thread per stage (an explicit value wins)

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from spmd_engine.distributed.errors import CollectiveError
-from spmd_engine.distributed.shm_allreduce import ShmAllReduce
-from spmd_engine.distributed.shm_handoff import ShmHandoff
+from spmd_engine.distributed.shm.allreduce import ShmAllReduce
+from spmd_engine.distributed.shm.handoff import ShmHandoff
 
 _name_counters: dict[str, Iterator[int]] = defaultdict(itertools.count)
 
@@ -322,7 +322,7 @@ class GroupCoordinator:
     def send_tensor_dict(self, d: dict, dst: int | None = None) -> None:
         """`d` to group rank `dst` (default: the next rank, the PP hand-off): metadata, then tensors.
         Default-neighbour calls pair with default-neighbour receives (on one host they go
-        through shared memory, shm_handoff.py); explicit ranks go through gloo."""
+        through shared memory, shm/handoff.py); explicit ranks go through gloo."""
         peer = self._peer(dst, 1, "send_tensor_dict")
         meta, tensors = self._split(d)
         handoff = self._shared_handoff("send_tensor_dict") if dst is None else None

@@ -1,4 +1,4 @@
-"""Shared memory between the processes of one host: one layer, the protocols on top of it.
+"""Shared memory between the processes of one host: one layer, three protocols on it.
 
 Bottom up:
 
@@ -7,11 +7,15 @@ Bottom up:
 - futex.py, ring.py: a ring of chunks in one segment (one writer, N readers, sequence
   numbers), readers sleeping on a futex the writer wakes.
 - waiter.py: the one wait loop (poll, yield, sleep) every end uses, with its checks.
+- peers.py: the set-up hand-shake (one host, everyone switched on) and peer liveness.
 - broken.py: broken for good after any failure.
 
-On top, one file per protocol:
+On top, one file per protocol, each with its own switch (spmd_engine/envs.py):
 
 - message_queue.py: the mp executor's broadcast queue (engine -> workers -> engine).
+- allreduce.py: all-reduce and all-gather slots of a TP group
+  (SPMD_ENGINE_DISABLE_SHM_ALLREDUCE).
+- handoff.py: the PP hand-off between stages (SPMD_ENGINE_DISABLE_SHM_HANDOFF).
 
 Nothing here imports the executor. This __init__ imports nothing (nor does
 spmd_engine.distributed's, until a name of it is used), so importing the queue alone, as

@@ -1,4 +1,4 @@
-"""The PP hand-off through shared memory (distributed/shm_handoff.py), between real processes.
+"""The PP hand-off through shared memory (distributed/shm/handoff.py), between real processes.
 
 Two spawned ranks (gloo on a FileStore, no port) make a GroupCoordinator over [0, 1] and
 hand tensor dicts to each other with the default-neighbour send/recv_tensor_dict, as PP
@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from spmd_engine.distributed.shm_handoff import DISABLE_ENV, shm_handoff_enabled
+from spmd_engine.distributed.shm.handoff import shm_handoff_enabled
+from spmd_engine.envs import DISABLE_SHM_HANDOFF
 
 pytestmark = pytest.mark.skipif(not shm_handoff_enabled(), reason="the shared-memory hand-off needs x86 + /dev/shm")
 
@@ -43,7 +44,7 @@ def _rank_main(rank: int, scenario: str, store: str, out: str) -> None:
     from spmd_engine.distributed.group_coordinator import GroupCoordinator
     torch.set_num_threads(1)
     if scenario == "disabled" and rank == 1:
-        os.environ[DISABLE_ENV] = "1"
+        os.environ[DISABLE_SHM_HANDOFF] = "1"
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     g = GroupCoordinator([[0, 1]], 0, "gloo", "pp", timeout=30)
     result: dict = {"events": [], "pid": os.getpid()}

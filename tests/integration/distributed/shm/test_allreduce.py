@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from spmd_engine.distributed.shm_allreduce import SHM_DIR, shm_allreduce_enabled
+from spmd_engine.distributed.shm.allreduce import shm_allreduce_enabled
+from spmd_engine.distributed.shm.segment import SHM_DIR
 
 pytestmark = pytest.mark.skipif(not shm_allreduce_enabled(), reason="shared-memory all-reduce needs x86 + /dev/shm")
 
@@ -28,7 +29,7 @@ def _rank_main(rank: int, scenario: str, store: str, out: str) -> None:
 
     from spmd_engine.distributed.errors import CollectiveError
     from spmd_engine.distributed.group_coordinator import GroupCoordinator  # noqa: F401 (import check)
-    from spmd_engine.distributed.shm_allreduce import ShmAllReduce
+    from spmd_engine.distributed.shm.allreduce import ShmAllReduce
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     shm = ShmAllReduce.create(dist.group.WORLD, [0, 1], "tp [0, 1]", timeout_s=1.0)
@@ -105,7 +106,7 @@ def _setup_rank_main(rank: int, store: str, marker: str) -> None:
     """Rank 1 takes 60 s to attach: rank 0 sits in set-up with the segment made, then is SIGKILLed."""
     import torch.distributed as dist
 
-    from spmd_engine.distributed.shm_allreduce import ShmAllReduce
+    from spmd_engine.distributed.shm.allreduce import ShmAllReduce
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     if rank == 1:
         real = ShmAllReduce._attach

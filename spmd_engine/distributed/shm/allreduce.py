@@ -1,62 +1,57 @@
 """Intra-node CPU all-reduce (and all-gather) through one shared-memory segment per group.
 
-Why: a gloo all-reduce of a small tensor between two local processes costs
-about a millisecond of socket round trips; TP decode does two per layer. Ranks
-on one host can instead write their input into a shared slot, raise a counter,
-wait for everyone's counter and sum the slots themselves (tens of µs).
+Why: a gloo all-reduce between processes on one host still goes through sockets, a few
+system calls and scheduler wake-ups per call, and TP decode makes two per layer. Ranks on
+one host can instead write their input into a shared slot, raise a counter, wait for
+everyone's counter and sum the slots themselves, all in user space.
 
-Protocol. The segment holds one 64-byte counter line per rank, then two
-buffers of one slot per rank. Operation number g (1, 2, ...) writes this rank's
-chunk into buffer g % 2, publishes counter = g, waits until every counter is
->= g, and sums the slots in rank order (0 + 1 + ... + n-1), so every rank
-produces the same bits. Two alternating buffers make one wait per operation
-enough: a rank can only start operation g + 1 after everyone published g,
-i.e. after everyone finished reading operation g - 1, the last user of the
-buffer it is about to overwrite. Tensors larger than a slot go chunk by chunk.
+Protocol. The segment holds one line of counters per rank, then two buffers of one slot
+per rank. Operation number g (1, 2, ...) writes this rank's chunk into buffer g % 2,
+publishes counter = g, waits until every counter is >= g, and sums the slots in rank order
+(0 + 1 + ... + n-1), so every rank produces the same bits. Two alternating buffers make one
+wait per operation enough: a rank can only start operation g + 1 after everyone published
+g, i.e. after everyone finished reading operation g - 1, the last user of the buffer it is
+about to overwrite. Tensors larger than a slot go chunk by chunk.
 
-Every slot is stamped. Before publishing operation g a rank writes, in its
-own header for buffer g % 2, (g, operation and dtype, this chunk's bytes, the
-whole tensor's bytes); after the wait every rank checks that every peer's
-stamp equals its own. Ranks that disagree on what operation g is (one rank
-aborted a step and the others did not, a caller passed different sizes) raise
-CollectiveError instead of summing unrelated bytes. A rank that fails (timeout,
-dead peer, mismatch) raises its own `broken` word in the segment: its peers see
-it within their wait loop and fail too, and every later operation on the group
-raises. Nobody falls back to gloo after a failure: a rank on gloo and a peer on
-shared memory would wait for each other until the timeout, or pair wrong data.
+Every slot is stamped. Before publishing operation g a rank writes, in its own line for
+buffer g % 2, (g, operation and dtype, this chunk's bytes, the whole tensor's bytes); after
+the wait every rank checks that every peer's stamp equals its own. Ranks that disagree on
+what operation g is (one rank aborted a step and the others did not, a caller passed
+different sizes) raise CollectiveError instead of summing unrelated bytes. A rank that
+fails (timeout, dead peer, mismatch) is broken for good (broken.py) and raises its own
+`broken` word in the segment: its peers see it within their wait and fail too.
 
-Stores are ordered by x86's TSO memory model (data before counter), which this
-protocol relies on; on other architectures the gloo path is used instead.
+Stores are ordered by x86's TSO memory model (data before counter), which this protocol
+relies on without fences; on other architectures the gloo path is used instead.
 
-Lifetime. The group's first rank creates the segment under a name with a
-random token (two jobs on one host never collide) and, when all members share
-one pid namespace (the usual case), unlinks it at once: the others open the
-creator's descriptor through /proc/<pid>/fd, so a SIGKILL at any moment, even
-mid set-up, leaves nothing in /dev/shm. Across pid namespaces the others attach
-by name and the creator unlinks it once everyone has attached. The mapping
-lives until destroy().
+Lifetime (segment.py). The group's first rank creates the segment; when every member can
+be watched (one pid namespace, the usual case) it is NAMELESS, so a SIGKILL at any moment,
+even mid set-up, leaves nothing in /dev/shm; across pid namespaces it is UNTIL_ATTACHED.
+The mapping lives until destroy().
 """
 
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import platform
-import socket
 import time
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from spmd_engine import envs
 from spmd_engine.distributed.errors import CollectiveError
-from spmd_engine.distributed.shm.segment import SHM_DIR, Lifetime, Segment, SegmentRef
+
+from .broken import Broken
+from .peers import handshake
+from .segment import SHM_DIR, Lifetime, Segment, SegmentRef
+from .waiter import Waiter, WaitPolicy
 
 logger = logging.getLogger("spmd_engine")
 
 SHM_PREFIX = "spmd_ar_"
-DISABLE_ENV = "SPMD_ENGINE_DISABLE_SHM_ALLREDUCE"
 DEFAULT_SLOT_BYTES = 1 << 20
 LINE = 128  # two cache lines per rank: counter, broken word, a stamp per buffer; no false sharing
 _COUNTER, _BROKEN, _STAMP = 0, 1, 2  # int64 fields of a rank's line; stamps: 4 fields per buffer
@@ -67,20 +62,10 @@ _HALF = (torch.bfloat16, torch.float16)
 
 
 def shm_allreduce_enabled() -> bool:
-    """Whether this process may use the shared-memory path at all."""
-    if os.environ.get(DISABLE_ENV, "0") not in ("", "0"):
-        return False
-    return platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir(SHM_DIR)
-
-
-def _process_identity(pid: int) -> str | None:
-    """Start time of a live process (pid reuse cannot fake it); None if gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return None if fields[0] in ("Z", "X") else fields[19]
+    """Whether this process may use the shared-memory all-reduce at all: its switch
+    (envs.py), /dev/shm, and x86's store order (see above)."""
+    return (envs.shm_allreduce_enabled() and os.path.isdir(SHM_DIR)
+            and platform.machine().lower() in ("x86_64", "amd64"))
 
 
 def _usable_cores() -> int:
@@ -93,21 +78,26 @@ def _usable_cores() -> int:
 class ShmAllReduce:
     """One group's shared segment; build it with `ShmAllReduce.create` (collective)."""
 
-    def __init__(self, mm: mmap.mmap, name: str, nranks: int, rank: int, slot_bytes: int,
-                 label: str, timeout_s: float, peers: list[tuple[int, str]] | None):
-        self.name, self.nranks, self.rank, self.slot_bytes = name, nranks, rank, slot_bytes
+    def __init__(self, seg: Segment, nranks: int, rank: int, slot_bytes: int, label: str,
+                 timeout_s: float, peers: list):
+        self.name = seg.name.lstrip("/")
+        self.nranks, self.rank, self.slot_bytes = nranks, rank, slot_bytes
         self.label, self.timeout_s, self.peers = label, timeout_s, peers
-        self._mm = mm
+        self._seg = seg
+        mm = seg.mm
         self._bytes = torch.frombuffer(mm, dtype=torch.uint8)
         self._lines = np.frombuffer(mm, dtype=np.int64, count=nranks * LINE // 8).reshape(nranks, LINE // 8)
         self._counters = self._lines[:, _COUNTER]
         self._data_offset = nranks * LINE
         self._views: dict[tuple[int, torch.dtype, int], list[torch.Tensor]] = {}
         self._gen = int(self._counters[rank])
-        self.broken: str | None = None
-        # More ranks than cores: a spinning rank holds the core the rank it waits for needs,
-        # so wait politely (yield at once) instead of spinning first.
+        self.broken = Broken()
+        # More ranks than cores: a polling rank holds the core the rank it waits for needs,
+        # so wait politely (yield at once) instead of polling first.
         self._spins = 0 if nranks > _usable_cores() else 200
+        policy = WaitPolicy(yield_s=0.002, first_sleep_s=0.0, max_sleep_s=1e-3, alive_every_s=0.1)
+        self._waiter = Waiter(policy, timed_out=self._timed_out, between=self._between,
+                              watch=self._watch if any(peers) else None)
 
     # ---- construction -------------------------------------------------
     @classmethod
@@ -115,46 +105,43 @@ class ShmAllReduce:
                slot_bytes: int = DEFAULT_SLOT_BYTES) -> "ShmAllReduce | None":
         """Collective over `cpu_group`: every member gets a handle, or every member gets None.
 
-        None when a member disabled the path, the members are on different
-        hosts, or the segment cannot be made or attached (e.g. /dev/shm full).
+        None when a member disabled the path, the members are on different hosts, or the
+        segment cannot be made or attached (e.g. /dev/shm full).
         """
-        nranks, me = len(ranks), ranks.index(dist.get_rank())
-        info = (socket.gethostname(), shm_allreduce_enabled(), os.getpid(),
-                _process_identity(os.getpid()))
-        infos: list = [None] * nranks
-        dist.all_gather_object(infos, info, group=cpu_group)
-        if len({i[0] for i in infos}) != 1 or not all(i[1] for i in infos):
+        members = handshake(cpu_group, ranks, shm_allreduce_enabled())
+        if members is None:
             return None
+        nranks, me = len(ranks), members.index
         size = nranks * LINE + 2 * nranks * slot_bytes
-        # Peers we see as they see themselves (one pid namespace) can open our descriptor through
-        # /proc, so the segment needs no name at all; otherwise a name lives until all attached.
-        peers = [(i[2], i[3]) for i in infos]
-        watch = all(ident is not None and _process_identity(pid) == ident for pid, ident in peers)
-        seg = cls._make_segment(size, label, Lifetime.NAMELESS if watch else Lifetime.UNTIL_ATTACHED) \
+        # Peers we see as they see themselves can open our descriptor through /proc, so the
+        # segment needs no name at all; otherwise a name lives until all attached.
+        watch = members.all_watchable
+        made = cls._make_segment(size, label, Lifetime.NAMELESS if watch else Lifetime.UNTIL_ATTACHED) \
             if me == 0 else None
-        where = [None if seg is None else seg.ref()]
-        mm = None
+        where = [None if made is None else made.ref()]
+        seg = made
         try:
             dist.broadcast_object_list(where, src=ranks[0], group=cpu_group)
             if where[0] is None:
                 return None
-            mm = seg.mm if seg is not None else cls._attach(where[0])
+            if seg is None:
+                seg = cls._attach(where[0])
             attached: list = [None] * nranks
-            dist.all_gather_object(attached, mm is not None, group=cpu_group)
+            dist.all_gather_object(attached, seg is not None, group=cpu_group)
         finally:
-            if seg is not None:
-                seg.unlink()  # everyone attached, gave up or failed: the name (or descriptor) goes
+            if made is not None:
+                made.unlink()  # everyone attached, gave up or failed
         if not all(attached):
-            if mm is not None:
-                mm.close()
+            if seg is not None:
+                seg.close()
             return None
-        name = where[0].name.lstrip("/")
-        return cls(mm, name, nranks, me, slot_bytes, label, timeout_s, peers if watch else None)
+        return cls(seg, nranks, me, slot_bytes, label, timeout_s,
+                   members.peers if watch else [None] * nranks)
 
     @staticmethod
-    def _attach(ref: SegmentRef) -> mmap.mmap | None:
+    def _attach(ref: SegmentRef) -> Segment | None:
         try:
-            return Segment.attach(ref).mm
+            return Segment.attach(ref)
         except OSError:
             return None
 
@@ -162,7 +149,8 @@ class ShmAllReduce:
     def _make_segment(size: int, label: str, lifetime: Lifetime) -> Segment | None:
         """Reserved up front (a full tmpfs fails here, not with SIGBUS later); None: use gloo."""
         try:
-            return Segment.create(size, SHM_PREFIX, lifetime=lifetime, what=f"the all-reduce of group {label}")
+            return Segment.create(size, SHM_PREFIX, lifetime=lifetime,
+                                  what=f"the all-reduce of group {label}")
         except OSError as exc:
             logger.warning("group %s: no shared-memory all-reduce, using gloo: %s", label, exc)
             return None
@@ -189,8 +177,8 @@ class ShmAllReduce:
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """Every rank's `t` (same shape on all ranks), stacked in rank order: [nranks, *t.shape].
 
-        Same protocol as the all-reduce, reading the slots instead of summing
-        them (TP's LM head gathers its vocabulary slices this way every step).
+        Same protocol as the all-reduce, reading the slots instead of summing them (TP's
+        LM head gathers its vocabulary slices this way every step).
         """
         self._check_usable("all_gather")
         flat = t.contiguous().view(-1)
@@ -204,12 +192,12 @@ class ShmAllReduce:
         return out.view(self.nranks, *t.shape)
 
     def _check_usable(self, op: str) -> None:
-        if self.broken is None:
+        if self.broken.why is None:
             peer = self._peer_broken()
             if peer is not None:
-                self.broken = f"rank {peer} in group declared it broken"
-        if self.broken is not None:
-            raise CollectiveError(f"{op} on group {self.label} unusable: {self.broken} (shared-memory path)")
+                self.broken.set(f"rank {peer} in group declared it broken")
+        if self.broken.why is not None:
+            raise CollectiveError(f"{op} on group {self.label} unusable: {self.broken.why} (shared-memory path)")
 
     def _peer_broken(self) -> int | None:
         flags = self._lines[:, _BROKEN]
@@ -251,11 +239,11 @@ class ShmAllReduce:
                 self._wait_for(peer, gen, op)
         for peer in range(self.nranks):
             if lines[peer, _BROKEN]:  # it gave up on this operation: so does everyone
-                self._fail(op, f"failed: rank {peer} in group declared it broken")
+                raise self._failure(op, f"failed: rank {peer} in group declared it broken")
             theirs = tuple(int(v) for v in lines[peer, first:first + 4])
             if theirs != stamp:
-                self._fail(op, f"failed: operation mismatch: this rank's operation {gen} is "
-                               f"{_describe(stamp)}, rank {peer}'s is {_describe(theirs)}")
+                raise self._failure(op, f"failed: operation mismatch: this rank's operation {gen} is "
+                                        f"{_describe(stamp)}, rank {peer}'s is {_describe(theirs)}")
         return views
 
     def _reduce_chunk(self, chunk: torch.Tensor, total: int) -> None:
@@ -273,51 +261,49 @@ class ShmAllReduce:
                 chunk.add_(view)
 
     def _wait_for(self, peer: int, gen: int, op: str) -> None:
-        """Spin briefly, then yield, then sleep with back-off; fail on timeout or a dead peer."""
+        """Until `peer` published operation `gen`; fail on timeout, a dead peer or a peer that
+        declared the group broken."""
         counters = self._counters
-        for _ in range(self._spins):  # the common case: the peer is a few µs behind
+        for _ in range(self._spins):  # the common case, the peer a few µs behind: no set-up at all
             if counters[peer] >= gen:
                 return
-        start = time.monotonic()
-        next_check, pause = start + 0.1, 0.0
-        while counters[peer] < gen:
-            now = time.monotonic()
-            if now - start < 0.002:
-                os.sched_yield()
-                continue
-            time.sleep(pause)
-            pause = min(1e-3, pause * 2 or 1e-5)
-            broken_by = self._peer_broken()
-            if broken_by is not None:
-                self._fail(op, f"failed: rank {broken_by} in group declared it broken while this "
-                               f"rank waited for rank {peer}")
-            if now >= next_check:
-                next_check = now + 0.1
-                if self.peers and _process_identity(self.peers[peer][0]) != self.peers[peer][1]:
-                    self._fail(op, f"failed: rank {peer} in group (pid {self.peers[peer][0]}) died")
-                if now - start > self.timeout_s:
-                    self._fail(op, f"timed out after {self.timeout_s:g}s waiting for rank {peer} in group")
+        self._waiter.wait(lambda: counters[peer] >= gen, time.monotonic() + self.timeout_s, (peer, op))
 
-    def _fail(self, op: str, why: str) -> None:
-        """Declare the group broken (peers see it in their wait), then raise."""
-        self.broken = why
+    # The waiter's checks; ``about`` is (the peer waited for, the operation).
+    def _timed_out(self, about) -> BaseException:
+        peer, op = about
+        return self._failure(op, f"timed out after {self.timeout_s:g}s waiting for rank {peer} in group")
+
+    def _watch(self, about) -> None:
+        peer, op = about
+        watched = self.peers[peer]
+        if watched is not None and not watched.alive():
+            raise self._failure(op, f"failed: rank {peer} in group (pid {watched.pid}) died")
+
+    def _between(self, ready, about) -> None:
+        peer, op = about
+        broken_by = self._peer_broken()
+        if broken_by is not None:
+            raise self._failure(op, f"failed: rank {broken_by} in group declared it broken while "
+                                    f"this rank waited for rank {peer}")
+
+    def _failure(self, op: str, why: str) -> CollectiveError:
+        """Declare the group broken (peers see it in their wait); the error to raise."""
+        self.broken.set(why)
         if self._lines is not None:
             self._lines[self.rank, _BROKEN] = 1
-        raise CollectiveError(f"{op} on group {self.label} {why} (shared-memory path)")
+        return CollectiveError(f"{op} on group {self.label} {why} (shared-memory path)")
 
     # ---- teardown ---------------------------------------------------
     def destroy(self) -> None:
         """Drop every view into the mapping, then unmap; safe to call twice."""
-        if self._mm is None:
+        if self._seg is None:
             return
         self._views.clear()
         self._bytes = self._counters = self._lines = None
-        try:
-            self._mm.close()
-        except BufferError:  # a caller still holds a view; the OS unmaps at exit
-            pass
-        self._mm = None
-        self.broken = "destroyed"
+        self._seg.close()  # a caller still holding a view: the OS unmaps at exit
+        self._seg = None
+        self.broken.set("destroyed")
 
 
 def _describe(stamp: tuple) -> str:

@@ -1,80 +1,75 @@
 """The pipeline hand-off (each stage's hidden state and residual to the next) through shared
 memory, when the stages are processes on one host.
 
-Why: gloo's send/recv of one hand-off (four messages: size, metadata, two tensors) costs
-about 0.4 ms at the median on this 2-core box and stalls for 3-8 ms in one hand-off in ten
-(measured with two processes alternating 8 ms of matmuls and a hand-off, as PP stages do:
-p90 of the receiver's wait 11.8 ms against 8.5 ms through a shared-memory queue). In a PP=2
-decode each stage's step is about 10 ms, so those stalls idled both stages a third of the time.
+Why: gloo's send/recv of one hand-off is four messages (size, metadata, two tensors), each
+a socket round trip that now and then stalls for milliseconds, and a stage waiting for its
+input idles for all of it. A shared-memory queue hands the whole dict over in one message
+and wakes the receiver at once.
 
-Each rank writes to its next rank through one MessageQueue (distributed/shm/message_queue.py: a ring
-with futex wake-ups, one writer, one reader), so a group of n ranks holds n queues, each
-rank the writer of one and the reader of another. Every message carries a sequence number
-per direction; a receiver that gets another number than it expects (a sender that gave up
-mid-step and went on, a retry) raises instead of using the tensors. Any failure (timeout,
-a dead peer, a mismatch) breaks the hand-off for good: every later send or receive raises,
-and nobody falls back to gloo (a rank on gloo and its peer on shared memory would wait for
-each other until the timeout).
+Each rank writes to its next rank through one MessageQueue (message_queue.py: one writer,
+one reader), so a group of n ranks holds n queues, each rank the writer of one and the
+reader of another. The queues are NAMELESS (segment.py): nothing can be left in /dev/shm,
+and no resource tracker is needed. Every message carries a sequence number per direction;
+a receiver that gets another number than it expects (a sender that gave up mid-step and
+went on, a retry) raises instead of using the tensors. The peer process is watched while
+waiting (peers.py). Any failure (timeout, a dead peer, a mismatch) breaks the hand-off for
+good (broken.py): every later send or receive raises, and nobody falls back to gloo.
 
 Set-up is collective over the group (every member's first default-neighbour send or
-receive, which the PP forward makes on every stage in its first step), like the
-shared-memory all-reduce. It returns None on every member when one is on another host, has
-shared memory disabled, or cannot make or attach its queue: the group then uses gloo.
+receive, which the PP forward makes on every stage in its first step). It returns None on
+every member when one is on another host, has the hand-off switched off
+(SPMD_ENGINE_DISABLE_SHM_HANDOFF, or the all-reduce off), or cannot make or attach its queue
+(another pid namespace): the group then uses gloo.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import socket
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from spmd_engine import envs
 from spmd_engine.distributed.errors import CollectiveError
-from spmd_engine.distributed.shm.message_queue import MessageQueue, PeerGoneError
-from spmd_engine.distributed.shm.segment import Lifetime
-from spmd_engine.distributed.shm_allreduce import _process_identity, shm_allreduce_enabled
+
+from .allreduce import shm_allreduce_enabled
+from .broken import Broken
+from .message_queue import MessageQueue, PeerGoneError
+from .peers import Peer, handshake
+from .segment import Lifetime
 
 logger = logging.getLogger("spmd_engine")
 
-DISABLE_ENV = "SPMD_ENGINE_DISABLE_SHM_HANDOFF"
 CHUNK_BYTES = 1 << 20  # a decode hand-off is tens of KiB: one chunk; a long prefill spans several
 N_CHUNKS = 8
 
 
 def shm_handoff_enabled() -> bool:
-    return os.environ.get(DISABLE_ENV, "0") in ("", "0") and shm_allreduce_enabled()
+    """Whether this process may use the shared-memory hand-off at all."""
+    return envs.shm_handoff_enabled() and shm_allreduce_enabled()
 
 
 class ShmHandoff:
     """This rank's two queues of its group's ring: to the next rank and from the previous."""
 
     def __init__(self, outbound: MessageQueue, inbound: MessageQueue, label: str, timeout_s: float,
-                 next_peer: tuple[int, str] | None, prev_peer: tuple[int, str] | None):
+                 next_peer: Peer | None, prev_peer: Peer | None):
         self.outbound, self.inbound, self.label, self.timeout_s = outbound, inbound, label, timeout_s
-        self._next_peer, self._prev_peer = next_peer, prev_peer
+        self._next_alive = None if next_peer is None else next_peer.alive
+        self._prev_alive = None if prev_peer is None else prev_peer.alive
         self._sent = self._received = 0
-        self.broken: str | None = None
+        self.broken = Broken()
 
     @classmethod
     def create(cls, cpu_group, ranks: list[int], label: str, timeout_s: float) -> "ShmHandoff | None":
         """Collective over `cpu_group`: every member gets its hand-off, or every member gets None."""
-        n, me = len(ranks), ranks.index(dist.get_rank())
-        info = (socket.gethostname(), shm_handoff_enabled(), os.getpid(), _process_identity(os.getpid()))
-        infos: list = [None] * n
-        dist.all_gather_object(infos, info, group=cpu_group)
-        if len({i[0] for i in infos}) != 1 or not all(i[1] for i in infos):
+        members = handshake(cpu_group, ranks, shm_handoff_enabled())
+        if members is None:
             return None
-        # A peer we see as it sees itself (one pid namespace) is watched while we wait on it.
-        # Checked now, while every member is known to be alive (it just joined the gather): a
-        # peer may be done and gone before the set-up below returns here.
-        peers = [(i[2], i[3]) if i[3] is not None and _process_identity(i[2]) == i[3] else None for i in infos]
+        n, me = len(ranks), members.index
         outbound = inbound = None
         try:
-            # No name from the start (a rank SIGKILLed mid set-up leaves nothing in /dev/shm, and
-            # no resource tracker is needed): the next rank attaches through /proc/<pid>/fd.
             outbound = MessageQueue.create(n_readers=1, chunk_bytes=CHUNK_BYTES, n_chunks=N_CHUNKS,
                                            label=f"handoff {label}", lifetime=Lifetime.NAMELESS)
         except OSError as exc:
@@ -95,7 +90,8 @@ class ShmHandoff:
                     q.close()
             return None
         outbound.wait_attached(timeout=timeout_s)  # everyone attached: the descriptor goes now
-        return cls(outbound, inbound, label, timeout_s, peers[(me + 1) % n], peers[(me - 1) % n])
+        return cls(outbound, inbound, label, timeout_s, members.peers[(me + 1) % n],
+                   members.peers[(me - 1) % n])
 
     # ---- the hand-off --------------------------------------------------------
     def send(self, meta: list, tensors: list[torch.Tensor]) -> None:
@@ -104,18 +100,18 @@ class ShmHandoff:
         self._sent += 1
         payload = [t.contiguous().view(-1).view(torch.uint8).numpy() for t in tensors]
         self._fail_on_error("send_tensor_dict", lambda: self.outbound.enqueue(
-            (self._sent, meta, payload), timeout=self.timeout_s, alive=self._alive(self._next_peer)))
+            (self._sent, meta, payload), timeout=self.timeout_s, alive=self._next_alive))
 
     def recv(self) -> tuple[list, list[np.ndarray]]:
         """The next message from the previous rank: (meta, one byte array per tensor)."""
         self._check_usable("recv_tensor_dict")
         self._received += 1
         seq, meta, payload = self._fail_on_error("recv_tensor_dict", lambda: self.inbound.dequeue(
-            timeout=self.timeout_s, alive=self._alive(self._prev_peer)))
+            timeout=self.timeout_s, alive=self._prev_alive))
         if seq != self._received:
-            self.broken = (f"recv_tensor_dict on group {self.label}: hand-off number {seq} arrived where "
-                           f"{self._received} was expected (the stages disagree on the step)")
-            raise CollectiveError(self.broken)
+            raise CollectiveError(self.broken.set(
+                f"recv_tensor_dict on group {self.label}: hand-off number {seq} arrived where "
+                f"{self._received} was expected (the stages disagree on the step)"))
         return meta, payload
 
     @staticmethod
@@ -128,12 +124,6 @@ class ShmHandoff:
             buf = buf.copy()
         return torch.from_numpy(buf).view(dtype).view(shape)
 
-    def _alive(self, peer: tuple[int, str] | None):
-        if peer is None:
-            return None
-        pid, ident = peer
-        return lambda: _process_identity(pid) == ident
-
     def _fail_on_error(self, op: str, call):
         try:
             return call()
@@ -144,13 +134,13 @@ class ShmHandoff:
                 why = "its peer is gone"
             else:
                 why = f"failed ({exc})"
-            self.broken = f"{op} on group {self.label} {why} (shared-memory hand-off)"
-            raise CollectiveError(self.broken) from exc
+            raise CollectiveError(self.broken.set(
+                f"{op} on group {self.label} {why} (shared-memory hand-off)")) from exc
 
     def _check_usable(self, op: str) -> None:
-        if self.broken is not None:
+        if self.broken.why is not None:
             raise CollectiveError(f"{op} on group {self.label}: the hand-off is broken since an earlier "
-                                  f"failure ({self.broken})")
+                                  f"failure ({self.broken.why})")
 
     def destroy(self) -> None:
         for q in (self.outbound, self.inbound):
