@@ -62,10 +62,13 @@ def cpu_packed_weights(environ: Mapping[str, str] = os.environ) -> bool:
 
 
 def shm_allreduce_enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    """The shared-memory all-reduce/all-gather's switch (anything but "" or "0" turns it off;
+    the platform is checked where it is set up)."""
     return environ.get(DISABLE_SHM_ALLREDUCE, "0") in ("", "0")
 
 
 def shm_handoff_enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    """The shared-memory PP hand-off's own switch, as the all-reduce's."""
     return environ.get(DISABLE_SHM_HANDOFF, "0") in ("", "0")
 
 

@@ -18,13 +18,14 @@ good (broken.py): every later send or receive raises, and nobody falls back to g
 Set-up is collective over the group (every member's first default-neighbour send or
 receive, which the PP forward makes on every stage in its first step). It returns None on
 every member when one is on another host, has the hand-off switched off
-(SPMD_ENGINE_DISABLE_SHM_HANDOFF, or the all-reduce off), or cannot make or attach its queue
-(another pid namespace): the group then uses gloo.
+(SPMD_ENGINE_DISABLE_SHM_HANDOFF; the all-reduce's switch does not concern it), or cannot
+make or attach its queue (another pid namespace): the group then uses gloo.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 import torch
@@ -33,11 +34,10 @@ import torch.distributed as dist
 from spmd_engine import envs
 from spmd_engine.distributed.errors import CollectiveError
 
-from .allreduce import shm_allreduce_enabled
 from .broken import Broken
 from .message_queue import MessageQueue, PeerGoneError
 from .peers import Peer, handshake
-from .segment import Lifetime
+from .segment import SHM_DIR, Lifetime
 
 logger = logging.getLogger("spmd_engine")
 
@@ -46,8 +46,10 @@ N_CHUNKS = 8
 
 
 def shm_handoff_enabled() -> bool:
-    """Whether this process may use the shared-memory hand-off at all."""
-    return envs.shm_handoff_enabled() and shm_allreduce_enabled()
+    """Whether this process may use the shared-memory hand-off at all: its own switch
+    (envs.py) and /dev/shm. Not the all-reduce's: the queue orders its stores itself (ring.py)
+    and needs no x86, and switching the all-reduce off says nothing about the hand-off."""
+    return envs.shm_handoff_enabled() and os.path.isdir(SHM_DIR)
 
 
 class ShmHandoff:

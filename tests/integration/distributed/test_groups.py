@@ -57,10 +57,12 @@ def test_world8_layouts_shared_memory(tmp_path):
 @pytest.mark.xdist_group("world8")
 @pytest.mark.timeout(150)
 def test_world8_layouts_gloo(tmp_path):
-    """(8,1,1) and (1,8,1) with the shared-memory path disabled: gloo all-reduce."""
+    """(8,1,1) and (1,8,1) with the shared-memory paths disabled: gloo all-reduce and PP hand-off
+    (each path has its own switch)."""
     layouts = ["tp=8", "pp=8"]
     launch = run_torchrun(8, [SCRIPT, "layouts", "--out", tmp_path, "--no-shm", "--layouts", *layouts],
-                          timeout=130, env_extra={"SPMD_ENGINE_DISABLE_SHM_ALLREDUCE": "1"})
+                          timeout=130, env_extra={"SPMD_ENGINE_DISABLE_SHM_ALLREDUCE": "1",
+                                                  "SPMD_ENGINE_DISABLE_SHM_HANDOFF": "1"})
     res = assert_all_ok(launch, tmp_path, 8)
     assert "pp=[0, 1, 2, 3, 4, 5, 6, 7]" in res[5]["logs"][1]
 

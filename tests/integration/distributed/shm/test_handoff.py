@@ -6,7 +6,8 @@ stages do. Checked: what arrives is exactly what was sent (dtypes, shapes, empty
 non-contiguous tensors, a message larger than the whole ring); the stages' step numbers
 must agree (a sender that skipped a hand-off is an error, never a wrong tensor); a dead
 peer is an error within seconds, not a hang until the timeout; disabling it on one rank
-puts both on gloo; and nothing is left in /dev/shm or as a process.
+puts both on gloo, and disabling the all-reduce does not; and nothing is left in /dev/shm or as
+a process.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from spmd_engine.distributed.shm.handoff import shm_handoff_enabled
-from spmd_engine.envs import DISABLE_SHM_HANDOFF
+from spmd_engine.envs import DISABLE_SHM_ALLREDUCE, DISABLE_SHM_HANDOFF
 
-pytestmark = pytest.mark.skipif(not shm_handoff_enabled(), reason="the shared-memory hand-off needs x86 + /dev/shm")
+pytestmark = pytest.mark.skipif(not shm_handoff_enabled(), reason="the shared-memory hand-off needs /dev/shm")
 
 
 def _messages(rank: int):
@@ -45,6 +46,8 @@ def _rank_main(rank: int, scenario: str, store: str, out: str) -> None:
     torch.set_num_threads(1)
     if scenario == "disabled" and rank == 1:
         os.environ[DISABLE_SHM_HANDOFF] = "1"
+    if scenario == "allreduce off":
+        os.environ[DISABLE_SHM_ALLREDUCE] = "1"
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     g = GroupCoordinator([[0, 1]], 0, "gloo", "pp", timeout=30)
     result: dict = {"events": [], "pid": os.getpid()}
@@ -69,7 +72,10 @@ def _rank_main(rank: int, scenario: str, store: str, out: str) -> None:
                 return False
         return True
 
-    if scenario in ("roundtrip", "disabled"):
+    if scenario == "allreduce off":
+        g.all_reduce(torch.ones(4))
+        result["shared_allreduce"] = g.uses_shared_memory
+    if scenario in ("roundtrip", "disabled", "allreduce off"):
         # Both directions: with two ranks each one's next rank is the other.
         for i, (mine, theirs) in enumerate(zip(_messages(rank), _messages(1 - rank))):
             if rank == 0:
@@ -137,6 +143,16 @@ def test_tensor_dicts_arrive_exactly_through_shared_memory(tmp_path):
 def test_disabled_on_one_rank_puts_both_on_gloo(tmp_path):
     for result in run_pair(tmp_path, "disabled"):
         assert result["shared"] is False
+        assert [status for status, _ in events(result).values()] == ["ok"] * 3, result
+
+
+@pytest.mark.timeout(120)
+def test_the_all_reduce_switch_does_not_turn_the_hand_off_off(tmp_path):
+    # Each path has its own switch: before, the hand-off went to gloo whenever the all-reduce
+    # was disabled (SPMD_ENGINE_DISABLE_SHM_ALLREDUCE), since it asked the all-reduce's switch.
+    for result in run_pair(tmp_path, "allreduce off"):
+        assert result["shared_allreduce"] is False  # the switch did act on the all-reduce
+        assert result["shared"] is True
         assert [status for status, _ in events(result).values()] == ["ok"] * 3, result
 
 
