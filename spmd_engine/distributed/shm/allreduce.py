@@ -47,7 +47,7 @@ from spmd_engine.distributed.errors import CollectiveError
 from .broken import Broken
 from .peers import handshake
 from .segment import SHM_DIR, Lifetime, Segment, SegmentRef
-from .waiter import Waiter, WaitPolicy
+from .waiter import Waiter, WaitPolicy, weak
 
 logger = logging.getLogger("spmd_engine")
 
@@ -96,8 +96,8 @@ class ShmAllReduce:
         # so wait politely (yield at once) instead of polling first.
         self._spins = 0 if nranks > _usable_cores() else 200
         policy = WaitPolicy(yield_s=0.002, first_sleep_s=0.0, max_sleep_s=1e-3, alive_every_s=0.1)
-        self._waiter = Waiter(policy, timed_out=self._timed_out, between=self._between,
-                              watch=self._watch if any(peers) else None)
+        self._waiter = Waiter(policy, timed_out=weak(self._timed_out), between=weak(self._between),
+                              watch=weak(self._watch) if any(peers) else None)
 
     # ---- construction -------------------------------------------------
     @classmethod
@@ -264,7 +264,7 @@ class ShmAllReduce:
         """Until `peer` published operation `gen`; fail on timeout, a dead peer or a peer that
         declared the group broken."""
         counters = self._counters
-        for _ in range(self._spins):  # the common case, the peer a few µs behind: no set-up at all
+        for _ in range(self._spins):  # the common case, the peer just behind: no set-up at all
             if counters[peer] >= gen:
                 return
         self._waiter.wait(lambda: counters[peer] >= gen, time.monotonic() + self.timeout_s, (peer, op))

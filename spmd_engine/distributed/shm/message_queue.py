@@ -36,7 +36,7 @@ from typing import Any, Callable, Optional
 from .broken import Broken
 from .ring import CHUNK_HEADER, RingEnd, RingLayout
 from .segment import Lifetime, Segment, SegmentRef
-from .waiter import Waiter, WaitPolicy
+from .waiter import Waiter, WaitPolicy, weak
 
 __all__ = ["MessageQueue", "MessageQueueHandle", "WaitPolicy", "PeerGoneError",
            "UnpicklableError"]
@@ -84,9 +84,9 @@ class MessageQueue:
         self._broken = Broken()
         self._ring = ring = RingEnd(seg.mm, layout, reader_index)
         self._mv, self._cap = ring.mv, layout.capacity
-        self._waiter = Waiter(self.wait_policy, timed_out=self._timed_out, watch=self._watch,
-                              between=self._between,
-                              nap=None if self._ring.futex is None else self._nap, cancellable=True)
+        self._waiter = Waiter(self.wait_policy, timed_out=weak(self._timed_out), watch=weak(self._watch),
+                              between=weak(self._between),
+                              nap=None if ring.futex is None else weak(self._nap), cancellable=True)
         if not self._ring.claim_slot():
             self._release()
             raise ValueError(f"{self._name()}: {self._role()} is already attached")

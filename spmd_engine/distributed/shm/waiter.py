@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -50,6 +51,14 @@ class WaitPolicy:
     first_sleep_s: float = 50e-6
 
 
+def weak(method: Callable) -> Callable:
+    """A bound method as a check that does not keep its object alive. An end holds its
+    waiter; a waiter holding the end would make a cycle, and an end dropped without close()
+    would then be freed (its name removed) only by the cyclic collector, some time later."""
+    ref = weakref.WeakMethod(method)
+    return lambda *args: ref()(*args)
+
+
 class Waiter:
     """One end's wait loop and its checks; `wait` returns once a condition holds.
 
@@ -74,7 +83,8 @@ class Waiter:
 
     def cancel(self) -> None:
         self.cancelled = True
-        self._event.set()
+        if self._event is not None:
+            self._event.set()
 
     def wait(self, ready: Callable[[], bool], deadline: Optional[float], about: Any = None,
              napping: bool = False) -> None:

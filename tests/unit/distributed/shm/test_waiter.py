@@ -111,3 +111,22 @@ def test_a_futex_nap_sleeps_a_whole_watch_period_and_never_past_the_deadline():
     with pytest.raises(TimeoutError):  # a wait that does not ask to nap sleeps instead
         waiter.wait(lambda: False, time.monotonic() + 0.05)
     assert naps == []
+
+
+def test_an_end_dropped_without_close_is_freed_at_once():
+    # Its checks are its own methods: held strongly by its waiter they would make a cycle,
+    # and a creator's __del__ (which removes a forgotten queue's name) would wait for the
+    # cyclic collector.
+    import gc
+    import os
+
+    from spmd_engine.distributed.shm.message_queue import MessageQueue
+    gc.disable()
+    try:
+        q = MessageQueue.create(1, label=f"drop{os.getpid()}", chunk_bytes=4096, n_chunks=4)
+        path = "/dev/shm" + q.handle().shm_name
+        assert os.path.exists(path)
+        del q
+        assert not os.path.exists(path)
+    finally:
+        gc.enable()
