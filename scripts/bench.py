@@ -181,6 +181,7 @@ def hf_generator(model_dir: str, dtype):
 def plain_torch_generator(model_dir: str, dtype):
     """Unsharded reference decode: our CausalLM without the engine (no scheduler, no RPC)."""
     import torch
+
     from spmd_engine.model.layers.attention import AttentionMetadata
     from spmd_engine.model.loader import load_model
     from spmd_engine.model.solo import SoloGroup
@@ -235,6 +236,7 @@ def matmul_seconds(llm, rows: int, reps: int = 20) -> dict[str, float]:
     """Seconds per call of each weight matmul of a uni engine's model (its own, packed,
     weights) on `rows` rows, by module name, timed in model order with nothing else running."""
     import torch
+
     from spmd_engine.model.layers.packed_weights import linear
     model = llm.llm_engine.model_executor.driver_worker.model_runner.model
     weights = {name: m.weight for name, m in model.named_modules() if getattr(m, "packable_weight", False)}
@@ -261,6 +263,7 @@ def fig_decode(args) -> None:
     """Decode tokens/s vs transformers at B=8 (fp32, bf16); the bf16 roofline fraction at
     B=1, 8 and 32, beside the fraction the step's matmuls alone reach (its ceiling here)."""
     import torch
+
     from spmd_engine import LLM
     model_dir = random_llama(args)
     plen, new = 32, (16 if args.quick else 64)
@@ -309,6 +312,7 @@ def fig_decode(args) -> None:
 def fig_moe(args) -> None:
     """Qwen3-MoE decode, bf16, B=8: LLM (uni) vs transformers generate, interleaved reps."""
     import torch
+
     from spmd_engine import LLM
     path = Path(args.workdir) / "qwen3moe_h512_l8_e16_k4"
     if not (path / "config.json").exists():
@@ -448,6 +452,7 @@ def fig_chunked(args) -> None:
 # ---------------------------------------------------------------- tp
 def fig_tp(args, tp: int = 2) -> None:
     import torch
+
     from spmd_engine import LLM
     model_dir = random_llama(args)
     batch, plen, new = 8, 32, (8 if args.quick else 32) if tp > 2 else (16 if args.quick else 64)

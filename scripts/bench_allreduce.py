@@ -29,8 +29,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from spmd_engine.config import ParallelConfig  # noqa: E402
 from spmd_engine import distributed as sd  # noqa: E402
+from spmd_engine.config import ParallelConfig  # noqa: E402
 from spmd_engine.distributed.launch_env import read_launch_env  # noqa: E402
 
 

@@ -12,8 +12,8 @@ import socket
 from pathlib import Path
 
 import pytest
-
 from launch import REPO, run_ranks_on_free_port, run_ranks_with_env, run_torchrun, tagged_pids
+
 from spmd_engine.distributed.launch_env import port_from_job_id
 
 SCRIPT = str(REPO / "tests" / "helpers" / "dist_scripts" / "collectives_check.py")
