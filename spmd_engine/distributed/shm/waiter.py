@@ -90,28 +90,30 @@ class Waiter:
              napping: bool = False) -> None:
         """Return once ``ready()``; ``deadline`` in time.monotonic (None: none); ``napping``:
         sleep with ``nap`` (if the end has one)."""
-        policy = self.policy
-        start = time.monotonic()
-        next_watch = start + policy.alive_every_s
-        pause = policy.first_sleep_s
-        nap = self._nap if napping else None
+        policy, clock = self.policy, time.monotonic
+        busy_s, yield_s, sched_yield = policy.busy_s, policy.yield_s, _sched_yield
+        start = clock()
+        next_watch = pause = None  # set at the first sleep: most waits end before it
         while not ready():
             if self.cancelled:
                 raise RuntimeError("cancelled")
-            now = time.monotonic()
+            now = clock()
             if deadline is not None and now >= deadline:
                 raise self._timed_out(about)
             waited = now - start
-            if waited < policy.busy_s:
+            if waited < busy_s:
                 continue
-            if waited < policy.yield_s:
-                _sched_yield()
+            if waited < yield_s:
+                sched_yield()
                 continue
+            if next_watch is None:
+                next_watch, pause = start + policy.alive_every_s, policy.first_sleep_s
             if self._watch is not None and now >= next_watch:
                 self._watch(about)
                 next_watch = now + policy.alive_every_s
             if self._between is not None:
                 self._between(ready, about)
+            nap = self._nap if napping else None
             if nap is not None:
                 step = policy.alive_every_s
             else:
