@@ -173,6 +173,7 @@ class RingEnd:
         return self._off[pos % n]
 
     def chunk_free(self) -> bool:
+        """Writer: whether `claim` would give a chunk now (the condition a full ring waits on)."""
         return self.claim() >= 0
 
     def publish(self) -> None:
