@@ -137,13 +137,13 @@ def moe_plan_from_args(args, config: ParallelConfig, layout: Layout) -> dict | N
 
 
 def _live(config: ParallelConfig, layout: Layout) -> int:
-    from spmd_engine.distributed.launch_env import read_launch_env
+    from spmd_engine.distributed.launch_env import launched_rank, read_launch_env
     if read_launch_env(os.environ) is None:
         print("error: --live needs a launcher: run it under torchrun or srun", file=sys.stderr)
         return EXIT_USAGE
     from spmd_engine.distributed.live_check import run_live_check
 
     ok, verdict = run_live_check(config)
-    if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
+    if launched_rank() == 0:
         print(verdict, flush=True)
     return 0 if ok else 1
