@@ -174,6 +174,7 @@ class ModelConfig:
     dtype: str | None = None  # None: config.json's torch_dtype on GPU, float32 on CPU
     pp_partition: str | None = None  # e.g. "3,3,2"; else SPMD_ENGINE_PP_PARTITION or vLLM's split
     load_format: str = "auto"  # "dummy": random weights, the checkpoint's tensors are never read
+    logprobs_mode: str = "raw_logprobs"  # vLLM's four: what logprobs and prompt_logprobs hold
 
     @property
     def model_dir(self) -> str:
@@ -187,10 +188,13 @@ class ModelConfig:
             raise ConfigError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(f"load_format {self.load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ConfigError(f"logprobs_mode {self.logprobs_mode!r} is not one of {', '.join(LOGPROBS_MODES)}")
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 
 DEFAULT_MAX_NUM_SEQS = 256

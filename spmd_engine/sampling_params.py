@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from spmd_engine.config import ConfigError
@@ -35,6 +36,15 @@ class SamplingParams:
     tokens that produced it stay in token_ids, as in vLLM. `detokenize=False`
     leaves `text` empty (token ids only, no decoding cost), and
     `skip_special_tokens` drops special tokens from the text.
+
+    Logit processors, applied first (vLLM's order): `allowed_token_ids` keeps
+    only those ids; `bad_words` bans each word's last token wherever the output
+    so far ends with the word's other tokens (a one-token word always; each
+    word tokenized as given and with a leading space); `min_tokens` (above);
+    `logit_bias` adds {id: bias}; then the penalties. `return_sampling_mask`
+    returns, per generated token, the ids the sampler could have chosen after
+    min_p / top_k / top_p (`CompletionOutput.sampling_mask`): what a trainer
+    needs to renormalise its own distribution over the same support.
     """
 
     max_tokens: int = 16
@@ -56,6 +66,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     detokenize: bool = True
+    allowed_token_ids: list[int] | None = None
+    logit_bias: dict[int, float] | None = None
+    bad_words: list[str] | None = None
+    return_sampling_mask: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -89,6 +103,25 @@ class SamplingParams:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ConfigError(f"seed must be an integer, got {self.seed!r}")
         self._check_stop()
+        self._check_processors()
+
+    def _check_processors(self) -> None:
+        ids = self.allowed_token_ids
+        if ids is not None:
+            if (not isinstance(ids, (list, tuple)) or not ids
+                    or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids)):
+                raise ConfigError(f"allowed_token_ids must be a non-empty list of token ids >= 0, got {ids!r}")
+            self.allowed_token_ids = list(ids)
+        if self.logit_bias is not None:
+            self.logit_bias = _checked_bias(self.logit_bias)
+        words = self.bad_words
+        if words is not None:
+            if isinstance(words, str) or not isinstance(words, (list, tuple)) or not all(
+                    isinstance(w, str) and w.strip() for w in words):
+                raise ConfigError(f"bad_words must be a list of non-empty strings, got {words!r}")
+            self.bad_words = list(words)
+        if not isinstance(self.return_sampling_mask, bool):
+            raise ConfigError(f"return_sampling_mask must be True or False, got {self.return_sampling_mask!r}")
 
     def _check_stop(self) -> None:
         stop = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else self.stop
@@ -108,6 +141,19 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
+    def bad_words_token_ids(self) -> list[list[int]] | None:
+        """bad_words as token ids, set by the front end's tokenizer (vLLM: update_from_tokenizer)."""
+        return self.__dict__.get("_bad_words_token_ids")
+
+    def set_bad_words_token_ids(self, ids: list[list[int]]) -> None:
+        self.__dict__["_bad_words_token_ids"] = ids
+
+    @property
+    def keeps_history(self) -> bool:
+        """The sampler needs this request's output tokens (penalties, bad words)."""
+        return self.penalized or bool(self.bad_words)
+
+    @property
     def penalized(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
@@ -116,3 +162,18 @@ class SamplingParams:
 def _check_number(name: str, value, ok, allowed: str) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or not ok(value):
         raise ConfigError(f"{name} must be a number {allowed}, got {name}={value!r}")
+
+
+def _checked_bias(bias) -> dict[int, float]:
+    """{token id: finite bias}; ids may come as decimal strings (JSON objects' keys)."""
+    if not isinstance(bias, dict):
+        raise ConfigError(f"logit_bias must be a dict {{token id: bias}}, got {bias!r}")
+    out = {}
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise ConfigError(f"logit_bias keys must be token ids >= 0, got {key!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(f"logit_bias[{key!r}] must be a finite number, got {value!r}")
+        out[token] = float(value)
+    return out

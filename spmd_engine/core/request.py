@@ -35,6 +35,7 @@ class Request:
     # cut at the stop string once found. None: the front end decodes the tokens at the end.
     output_text: str | None = None
     prompt_logprobs: list[dict[int, tuple[float, int]]] | None = None  # prompt tokens 1..P-1
+    sampling_masks: list | None = None  # per output token, the ids it could have been drawn from
     num_preemptions: int = 0
     # Chain hashes of this request's full blocks, computed once each (prefix caching).
     block_hashes: list[bytes] = field(default_factory=list, repr=False)

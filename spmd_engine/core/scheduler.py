@@ -183,6 +183,9 @@ class Scheduler:
             request.output_token_ids.append(int(token))
             if model_output.logprobs is not None and model_output.logprobs[i] is not None:
                 request.logprobs = (request.logprobs or []) + [model_output.logprobs[i]]
+            if model_output.sampling_masks is not None and model_output.sampling_masks[i] is not None:
+                request.sampling_masks = request.sampling_masks or []
+                request.sampling_masks.append(model_output.sampling_masks[i])
             reason = self._finish_reason(request, int(token))
             if reason:
                 request.finish_reason = reason

@@ -68,12 +68,15 @@ class SchedulerOutput:
 class ModelRunnerOutput:
     """The output rank's reply: one sampled token per sampling sequence, in schedule order.
     `prompt_logprobs`: per request that asked, the entries of the prompt tokens computed this
-    step ({token id: (logprob, rank)} each, in prompt order, the first prompt token excluded)."""
+    step ({token id: (logprob, rank)} each, in prompt order, the first prompt token excluded).
+    `sampling_masks`: per sampled row, the ids it could have drawn (a sorted int32 array) for
+    requests with return_sampling_mask, else None."""
 
     request_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[dict[int, tuple[float, int]] | None] | None = None
     prompt_logprobs: dict[str, list[dict[int, tuple[float, int]]]] | None = None
+    sampling_masks: list | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput([], [], None)

@@ -55,6 +55,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     load_format: str = "auto"
+    logprobs_mode: str = "raw_logprobs"
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
@@ -93,7 +94,7 @@ class EngineArgs:
             raise ConfigError("context parallelism (PCP/DCP > 1) is planned but not implemented in the "
                               "model yet; use spmd_engine.plan to inspect such layouts")
         model_config = ModelConfig(model=self.model, dtype=self.dtype, pp_partition=self.pp_partition,
-                                   load_format=self.load_format)
+                                   load_format=self.load_format, logprobs_mode=self.logprobs_mode)
         inputs = InputProcessor(model_config.model_dir, self.max_model_len)
         source = os.path.join(model_config.model_dir, "config.json")
         spec = check_model_parallel(inputs.hf_config, parallel.tensor_parallel_size,

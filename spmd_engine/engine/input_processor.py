@@ -55,6 +55,20 @@ class InputProcessor:
                               f"(a prompt must leave room for at least one new token)")
         return text, ids
 
+    def check_params(self, params, index: int) -> None:
+        """Token ids in the sampling params against the vocabulary, and bad_words tokenized."""
+        for name, ids in (("allowed_token_ids", params.allowed_token_ids), ("logit_bias", params.logit_bias)):
+            bad = [t for t in ids or () if t >= self.vocab_size]
+            if bad:
+                raise ConfigError(f"prompt {index}: {name} has token id {bad[0]} outside the vocabulary "
+                                  f"[0, {self.vocab_size})")
+        if params.bad_words and params.bad_words_token_ids is None:
+            if self.tokenizer is None:
+                raise ConfigError(f"prompt {index}: bad_words need a tokenizer, and this model has none "
+                                  f"({self._tokenizer_error})")
+            encode = lambda text: self.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+            params.set_bad_words_token_ids(bad_words_token_ids(params.bad_words, encode))
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if self.tokenizer is None:
             return ""
@@ -104,3 +118,18 @@ def eos_token_ids(model_dir: str, hf_config: dict, tokenizer) -> list[int]:
     ids = ([primary] if primary is not None else []) + _ids(hf_config.get("eos_token_id"))
     ids += _ids(generation.get("eos_token_id") if isinstance(generation, dict) else None)
     return list(dict.fromkeys(ids))
+
+
+def bad_words_token_ids(words: list[str], encode) -> list[list[int]]:
+    """Each bad word as token ids, as written (leading spaces dropped) and, where it tokenizes
+    to as many tokens but a different first one, with one leading space (the word in the
+    middle of a text), as vLLM does."""
+    out = []
+    for word in words:
+        bare = encode(word.lstrip())
+        spaced = encode(" " + word.lstrip())
+        if bare:
+            out.append(bare)
+        if spaced and (not bare or (spaced[0] != bare[0] and len(spaced) == len(bare))):
+            out.append(spaced)
+    return out

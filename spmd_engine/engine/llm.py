@@ -18,7 +18,7 @@ from spmd_engine.config import DEFAULT_MAX_NUM_SEQS, ConfigError
 from spmd_engine.core.request import Request
 from spmd_engine.engine.arg_utils import EngineArgs, EngineSetup
 from spmd_engine.engine.core_client import EngineCoreClient, EngineDeadError, InProcClient
-from spmd_engine.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from spmd_engine.engine.outputs import CompletionOutput, Logprob, RequestOutput, SamplingMask
 from spmd_engine.engine.vllm_args import accept_vllm_kwargs
 from spmd_engine.sampling_params import SamplingParams
 
@@ -41,7 +41,8 @@ class LLM:
                  nnodes: int = 1, block_size: int | None = 16, gpu_memory_utilization: float | None = 0.9,
                  kv_cache_memory_bytes: int | None = None, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
-                 load_format: str = "auto", enable_sleep_mode: bool = False, **vllm_kwargs):
+                 load_format: str = "auto", enable_sleep_mode: bool = False,
+                 logprobs_mode: str = "raw_logprobs", **vllm_kwargs):
         """vLLM's arguments and meanings. `seed` is the engine seed (None: 0, as in vLLM):
         requests without their own seed draw from a stream it starts, fresh on every generate
         call; under external_launcher it must be the same on every rank of a replica
@@ -58,7 +59,8 @@ class LLM:
             pp_partition=pp_partition, device=device, timeout_s=timeout_s, nnodes=nnodes, block_size=block_size,
             gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_memory_bytes,
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
-            enable_chunked_prefill=enable_chunked_prefill, load_format=load_format)
+            enable_chunked_prefill=enable_chunked_prefill, load_format=load_format,
+            logprobs_mode="raw_logprobs" if logprobs_mode is None else logprobs_mode)
         self._start(engine_args.create_engine_config(), enable_sleep_mode)
 
     @classmethod
@@ -173,6 +175,7 @@ class LLM:
         groups = []
         for index, (prompt, params) in enumerate(zip(prompts, params_list)):
             text, ids = self.inputs.encode(prompt, index)
+            self.inputs.check_params(params, index)
             if params.stop and self.tokenizer is None:
                 raise ConfigError(f"prompt {index}: stop strings need a tokenizer, and this model has none "
                                   f"({self.inputs._tokenizer_error})")
@@ -401,7 +404,17 @@ def _completion(index: int, request: Request, inputs) -> CompletionOutput:
         logprobs = [_logprob_dict(step, inputs, request.params.detokenize) for step in request.logprobs]
         cumulative = sum(step[token].logprob for step, token in zip(logprobs, request.output_token_ids))
     return CompletionOutput(index, text, list(request.output_token_ids), request.finish_reason, logprobs,
-                            cumulative, request.stop_reason)
+                            cumulative, request.stop_reason, _sampling_mask(request))
+
+
+def _sampling_mask(request: Request) -> SamplingMask | None:
+    if not request.params.return_sampling_mask:
+        return None
+    masks = request.sampling_masks or []
+    offsets = [0]
+    for ids in masks:
+        offsets.append(offsets[-1] + len(ids))
+    return SamplingMask([int(t) for ids in masks for t in ids], offsets)
 
 
 def _has_prompts(prompts) -> bool:

@@ -14,6 +14,24 @@ class Logprob:
 
 
 @dataclass
+class SamplingMask:
+    """Per generated token, the ids the sampler could have drawn it from (after min_p, top_k,
+    top_p; a greedy token: the argmax), compactly as vLLM's: token t's ids are
+    token_ids[offsets[t]:offsets[t + 1]], sorted."""
+    token_ids: list[int]
+    offsets: list[int]
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, t: int) -> list[int]:
+        if not -len(self) <= t < len(self):
+            raise IndexError(f"sampling mask of {len(self)} tokens has no token {t}")
+        t %= len(self)
+        return self.token_ids[self.offsets[t]:self.offsets[t + 1]]
+
+
+@dataclass
 class CompletionOutput:
     index: int  # which of the request's n samples
     text: str
@@ -23,6 +41,7 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs (with logprobs)
     stop_reason: int | str | None = None  # the stop string or stop token id; None for the EOS or a length
+    sampling_mask: SamplingMask | None = None  # SamplingParams(return_sampling_mask=True)
 
 
 @dataclass

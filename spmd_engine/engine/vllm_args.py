@@ -1,7 +1,7 @@
 """vLLM keyword arguments that `LLM(...)` accepts without acting on them.
 
 Trainers build their engine with vLLM's full set of options (TRL passes a dozen:
-enforce_eager, disable_log_stats, model_impl, logprobs_mode, ...). Those that
+enforce_eager, disable_log_stats, model_impl, ...). Those that
 have no meaning here (CUDA graphs, quantization, LoRA, Ray, tokenizer pools, ...)
 are accepted with one warning that lists them, so trainer code runs unchanged
 and its author still learns what was ignored. A name that vLLM does not know
@@ -21,7 +21,7 @@ IGNORED_VLLM_ARGS = frozenset("""
     served_model_name tokenizer task runner convert skip_tokenizer_init tokenizer_mode trust_remote_code
     allowed_local_media_path allowed_media_domains download_dir config_format kv_cache_dtype
     max_parallel_loading_workers disable_sliding_window use_v2_block_manager swap_space cpu_offload_gb
-    max_logprobs logprobs_mode disable_log_stats revision code_revision rope_scaling rope_theta hf_token
+    max_logprobs disable_log_stats revision code_revision rope_scaling rope_theta hf_token
     hf_overrides tokenizer_revision quantization enforce_eager max_seq_len_to_capture
     disable_custom_all_reduce tokenizer_pool_size tokenizer_pool_type tokenizer_pool_extra_config
     limit_mm_per_prompt mm_processor_kwargs mm_processor_cache_gb disable_mm_preprocessor_cache
@@ -48,7 +48,7 @@ IGNORED_VLLM_ARGS = frozenset("""
 
 # vLLM's own defaults of ignored arguments: passing one changes nothing, so it is not warned about.
 VLLM_DEFAULTS = {"model_impl": "auto", "enforce_eager": False, "trust_remote_code": False, "swap_space": 4, "tokenizer_mode": "auto",
-                 "kv_cache_dtype": "auto", "logprobs_mode": "raw_logprobs", "max_logprobs": 20,
+                 "kv_cache_dtype": "auto", "max_logprobs": 20,
                  "disable_custom_all_reduce": False, "cpu_offload_gb": 0}
 
 # Sizing arguments of LLM(...) whose None means vLLM's default (trainers such as TRL pass None
@@ -75,10 +75,6 @@ def accept_vllm_kwargs(kwargs: dict) -> None:
                           f"unquantized checkpoints (float32, bfloat16, float16)")
     ignored = {k: v for k, v in kwargs.items()
                if v is not None and not (k in VLLM_DEFAULTS and v == VLLM_DEFAULTS[k])}
-    if str(ignored.get("logprobs_mode", "")).startswith("processed"):
-        logger.warning("LLM: logprobs_mode=%r is not implemented yet: logprobs are the model's own, before "
-                       "temperature, penalties and top-k/top-p (the same only when none of them is set)",
-                       ignored.pop("logprobs_mode"))
     if ignored:
         logger.warning("LLM: vLLM argument(s) with no effect here, ignored: %s",
                        ", ".join(f"{k}={ignored[k]!r}" for k in sorted(ignored)))

@@ -136,31 +136,44 @@ def _kth_full(x: torch.Tensor, ks: list[int]) -> torch.Tensor | None:
 
 def _choose(vals, ids, kth, temperature, top_p, min_p, u, ordered: bool = False) -> torch.Tensor:
     """Inverse-CDF draw over the candidates kept by top_k (>= kth), min_p and top_p, in
-    vocabulary-id order (`ordered`: vals is the whole vocabulary already); weights are
-    p / p_max = exp((l - l_max) / T). Full-size temporaries are updated in place."""
+    vocabulary-id order (`ordered`: vals is the whole vocabulary already)."""
     if not ordered:
         ids, order = ids.sort(dim=1)
         vals = vals.gather(1, order)
+    cum = _kept_weights(vals, kth, temperature, top_p, min_p).cumsum_(dim=1)
+    total = cum[:, -1:].contiguous()
+    pick = torch.searchsorted(cum, (u.unsqueeze(1) * total.double()).to(cum.dtype), right=True)
+    # u * total may round up to total: stay on the last kept token (where cum reaches total).
+    pick = torch.minimum(pick, torch.searchsorted(cum, total))
+    return pick.squeeze(1) if ordered else ids.gather(1, pick).squeeze(1)
+
+
+def _kept_weights(vals, kth, temperature, top_p, min_p) -> torch.Tensor:
+    """Weights p / p_max = exp((l - l_max) / T) of the tokens top_k (>= kth), min_p and top_p
+    keep, 0 elsewhere (vals in vocabulary-id order). Full-size temporaries are updated in place."""
     weight = vals - vals.amax(dim=1, keepdim=True)
     weight.div_(temperature.unsqueeze(1)).exp_()
     if kth is not None:
         weight.masked_fill_(vals < kth.unsqueeze(1), 0.0)
     if min_p is not None:
         weight.masked_fill_(weight < min_p.unsqueeze(1), 0.0)
-    nucleus = bool((top_p < 1).any())
-    cum = weight.cumsum(dim=1) if nucleus else weight.cumsum_(dim=1)
-    if nucleus:
+    if bool((top_p < 1).any()):
         # The nucleus: the most likely tokens whose mass first reaches top_p; every token as
         # likely as the last one in it stays too (ties cannot split on their order).
+        mass = weight.cumsum(dim=1)[:, -1:]
         desc = weight.sort(dim=1, descending=True).values
         before = desc.cumsum(dim=1).sub_(desc)
-        inside = (before < (top_p.unsqueeze(1) * cum[:, -1:].double()).float()).sum(dim=1, keepdim=True)
+        inside = (before < (top_p.unsqueeze(1) * mass.double()).float()).sum(dim=1, keepdim=True)
         del before
         weight.masked_fill_(weight < desc.gather(1, inside - 1), 0.0)
-        del desc
-        cum = weight.cumsum(dim=1)
-    total = cum[:, -1:].contiguous()
-    pick = torch.searchsorted(cum, (u.unsqueeze(1) * total.double()).to(cum.dtype), right=True)
-    # u * total may round up to total: stay on the last kept token (where cum reaches total).
-    pick = torch.minimum(pick, torch.searchsorted(cum, total))
-    return pick.squeeze(1) if ordered else ids.gather(1, pick).squeeze(1)
+    return weight
+
+
+def support(x: torch.Tensor, temperature: list[float], top_k: list[int], top_p: list[float],
+            min_p: list[float]) -> torch.Tensor:
+    """[R, V] bool: the ids each row's draw could return (the kept weights above zero), computed
+    over the whole vocabulary with the draw's own arithmetic, so it is exactly the set `draw`
+    samples from on either path."""
+    rows = list(range(x.shape[0]))
+    t, tp, mp = _params(rows, temperature, top_p, min_p, x.device)
+    return _kept_weights(x, _kth_full(x, list(top_k)), t, tp, mp) > 0

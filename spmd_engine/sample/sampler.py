@@ -7,6 +7,14 @@ tokens do not depend on which other requests share its batch or which replica
 it landed in. Only the sampled ids (and the logprobs a request asked for, and a
 per-row flag or two) are copied to the host. Greedy rows are the argmax of the
 (processed) logits, bit for bit what they were when sampling ran on the host.
+
+What the logprobs are is the engine's `logprobs_mode` (vLLM's four): "raw_logprobs"
+(log_softmax of the model's logits, the default) and "raw_logits" come before any
+processing; "processed_logprobs" and "processed_logits" after the logit
+processors and penalties and, for a sampled row, after temperature with every
+token that min_p / top_k / top_p drop at -inf, i.e. the distribution the token
+was drawn from. A greedy row's processed values skip temperature and the
+filters (its choice does not depend on them), as vLLM's greedy path.
 """
 
 from __future__ import annotations
@@ -15,7 +23,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from spmd_engine.config import LOGPROBS_MODES
 from spmd_engine.sample import draw as sample_draw
+from spmd_engine.sample import logits_processors as procs
 from spmd_engine.sample.penalties import apply_penalties, mask_stop_ids
 from spmd_engine.sampling_params import SamplingParams
 
@@ -28,13 +38,26 @@ class RequestState:
     seed: int
     stop_ids: list[int] = field(default_factory=list)  # masked while under min_tokens
     prompt_token_ids: list[int] | None = None  # kept for repetition_penalty / prompt_logprobs
-    output_token_ids: list[int] = field(default_factory=list)  # kept for the penalties
+    output_token_ids: list[int] = field(default_factory=list)  # kept for the penalties and bad words
     num_sampled: int = 0  # draws so far (the output position when sample() is not told it)
     prompt_logprobs_done: int = 0  # prompt tokens whose logprobs went out (recompute skips them)
 
 
+@dataclass
+class SamplerOutput:
+    """Per sampled row: its token, its logprob entries (None unless asked) and its sampling
+    mask (the ids it could have drawn, sorted, when asked)."""
+
+    token_ids: list[int]
+    logprobs: list[dict[int, tuple[float, int]] | None] | None = None
+    sampling_masks: list | None = None  # numpy int32 arrays or None
+
+
 class Sampler:
-    def __init__(self) -> None:
+    def __init__(self, logprobs_mode: str = "raw_logprobs") -> None:
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}")
+        self.logprobs_mode = logprobs_mode
         self.requests: dict[str, RequestState] = {}
 
     def add_request(self, request_id: str, params: SamplingParams, seed: int,
@@ -48,14 +71,14 @@ class Sampler:
         """Tokens scheduled as inputs, the first at output index `output_start` (negative while in
         the prompt): the penalties' history of a request, as the scheduler knows it."""
         state = self.requests.get(request_id)
-        if state is None or not state.params.penalized or output_start + len(token_ids) <= 0:
+        if state is None or not state.params.keeps_history or output_start + len(token_ids) <= 0:
             return
         skip = max(0, -output_start)
         del state.output_token_ids[output_start + skip:]
         state.output_token_ids.extend(token_ids[skip:])
 
     def sample(self, request_ids: list[str], logits: torch.Tensor, output_index: list[int] | None = None):
-        """Return (token ids, per-row logprob maps or None) for logits [B, vocab].
+        """A SamplerOutput for logits [B, vocab] (the rows of request_ids, in order).
 
         `output_index`: the output position each row samples (the engine passes it from the
         schedule, and feeds the history through `observe`); without it, each call is the next
@@ -67,53 +90,103 @@ class Sampler:
         raw = logits.float()
         x = self._processed(raw, states, output_index)
         greedy = [i for i, s in enumerate(states) if s.params.greedy]
-        if len(greedy) == len(states):
+        rows = [i for i, s in enumerate(states) if not s.params.greedy]
+        if not rows:
             tokens = x.argmax(dim=-1)
         else:
             tokens = torch.empty(len(states), dtype=torch.long, device=x.device)
             if greedy:
                 tokens[_index(greedy, x.device)] = sample_draw.select_rows(x, greedy).argmax(dim=-1)
-            rows = [i for i, s in enumerate(states) if not s.params.greedy]
-            chosen = [states[i] for i in rows]
-            ps = [s.params for s in chosen]
-            u = sample_draw.uniforms([s.seed for s in chosen], [output_index[i] for i in rows])
+            ps = [states[i].params for i in rows]
+            u = sample_draw.uniforms([states[i].seed for i in rows], [output_index[i] for i in rows])
             tokens[_index(rows, x.device)] = sample_draw.draw(
-                sample_draw.select_rows(x, rows), [p.temperature for p in ps], [max(p.top_k, 0) for p in ps],
-                [p.top_p for p in ps], [p.min_p for p in ps], u)
+                sample_draw.select_rows(x, rows), *_filters(ps), u)
         token_list = tokens.tolist()
         for state, token in zip(states, token_list):
             state.num_sampled += 1
-            if standalone and state.params.penalized:
+            if standalone and state.params.keeps_history:
                 state.output_token_ids.append(token)
-        logprobs = None
+        result = SamplerOutput(token_list)
+        processed = self.logprobs_mode.startswith("processed")
         wanted = [i for i, s in enumerate(states) if s.params.logprobs is not None]
+        masked = [i for i, s in enumerate(states) if s.params.return_sampling_mask
+                  or (processed and s.params.logprobs is not None and not s.params.greedy)]
+        support = _support(x, states, masked)
         if wanted:
-            logprobs = [None] * len(states)
-            entries = logprob_entries(sample_draw.select_rows(raw, wanted), tokens[_index(wanted, raw.device)],
-                                      [states[i].params.logprobs for i in wanted])
+            values = raw if not processed else _processed_values(x, states, wanted, support)
+            entries = logprob_entries(sample_draw.select_rows(values, wanted), tokens[_index(wanted, raw.device)],
+                                      [states[i].params.logprobs for i in wanted],
+                                      normalize=self.logprobs_mode.endswith("logprobs"))
+            result.logprobs = [None] * len(states)
             for i, entry in zip(wanted, entries):
-                logprobs[i] = entry
-        return token_list, logprobs
+                result.logprobs[i] = entry
+        if any(s.params.return_sampling_mask for s in states):
+            result.sampling_masks = [support[i].nonzero().flatten().to(torch.int32).cpu().numpy()
+                                     if states[i].params.return_sampling_mask else None for i in range(len(states))]
+        return result
 
     def _processed(self, raw: torch.Tensor, states: list[RequestState], output_index: list[int]) -> torch.Tensor:
-        """min_tokens masks, then penalties, on a copy when any row has them (vLLM's order)."""
+        """allowed_token_ids, bad_words, min_tokens, logit_bias, then penalties, on a copy when
+        any row has one (vLLM's order)."""
+        allowed = [i for i, s in enumerate(states) if s.params.allowed_token_ids is not None]
+        banned = {i: procs.banned_by_bad_words(s.params.bad_words_token_ids, s.output_token_ids)
+                  for i, s in enumerate(states) if s.params.bad_words_token_ids}
+        banned = {i: ids for i, ids in banned.items() if ids}
         under_min = [i for i, s in enumerate(states)
                      if s.stop_ids and output_index[i] < s.params.min_tokens]
+        biased = [i for i, s in enumerate(states) if s.params.logit_bias]
         penalized = [i for i, s in enumerate(states) if s.params.penalized]
-        if not under_min and not penalized:
+        if not (allowed or banned or under_min or biased or penalized):
             return raw
         x = raw.clone()
+        if allowed:
+            procs.mask_outside_allowed(x, allowed, [states[i].params.allowed_token_ids for i in allowed])
+        if banned:
+            mask_stop_ids(x, list(banned), list(banned.values()))
         if under_min:
             mask_stop_ids(x, under_min, [states[i].stop_ids for i in under_min])
+        if biased:
+            procs.add_bias(x, biased, [states[i].params.logit_bias for i in biased])
         if penalized:
             apply_penalties(x, penalized, [states[i] for i in penalized])
         return x
 
 
-def logprob_entries(logits: torch.Tensor, tokens: torch.Tensor, counts: list[int]):
-    """Per row {token id: (logprob, rank)}: the row's top `count` tokens of the model's own
-    distribution (log_softmax of the raw logits) plus the given token, rank 1 the most likely."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
+def _filters(params: list[SamplingParams]):
+    """The draw's per-row settings: temperature, top_k (0 = off), top_p, min_p."""
+    return ([p.temperature for p in params], [max(p.top_k, 0) for p in params],
+            [p.top_p for p in params], [p.min_p for p in params])
+
+
+def _support(x: torch.Tensor, states: list[RequestState], rows: list[int]) -> dict[int, torch.Tensor]:
+    """Row -> bool [V]: the ids its draw could return; for a greedy row, its argmax (ties too)."""
+    out = {}
+    drawn = [i for i in rows if not states[i].params.greedy]
+    if drawn:
+        kept = sample_draw.support(sample_draw.select_rows(x, drawn), *_filters([states[i].params for i in drawn]))
+        out.update(zip(drawn, kept))
+    for i in rows:
+        if states[i].params.greedy:
+            out[i] = x[i] == x[i].max()
+    return out
+
+
+def _processed_values(x: torch.Tensor, states: list[RequestState], rows: list[int], support) -> torch.Tensor:
+    """The logits each row was drawn from: x / T with the dropped ids at -inf (a greedy row:
+    x itself). Only the given rows are meaningful."""
+    out = x.clone()
+    for i in rows:
+        p = states[i].params
+        if not p.greedy:
+            out[i] = (x[i] / p.temperature).masked_fill(~support[i], float("-inf"))
+    return out
+
+
+def logprob_entries(logits: torch.Tensor, tokens: torch.Tensor, counts: list[int], normalize: bool = True):
+    """Per row {token id: (logprob, rank)}: the row's top `count` tokens of log_softmax(logits)
+    (or of the logits themselves when not `normalize`) plus the given token, rank 1 the most
+    likely."""
+    logp = torch.log_softmax(logits.float(), dim=-1) if normalize else logits.float()
     chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
     ranks = (logp > chosen.unsqueeze(1)).sum(dim=1) + 1
     kmax = min(max(counts), logp.shape[-1])

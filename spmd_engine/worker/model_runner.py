@@ -17,7 +17,7 @@ import torch
 
 from spmd_engine.config import EngineConfig
 from spmd_engine.core.step_messages import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, SchedulerOutput
-from spmd_engine.sample.sampler import Sampler, logprob_entries
+from spmd_engine.sample.sampler import Sampler, SamplerOutput, logprob_entries
 from spmd_engine.worker import kv_sizing
 
 logger = logging.getLogger("spmd_engine")
@@ -33,7 +33,7 @@ class ModelRunner:
         self.pp_group = pp_group
         self.broadcast_sampled_tokens = broadcast_sampled_tokens
         self.model = None
-        self.sampler = Sampler()
+        self.sampler = Sampler(config.model_config.logprobs_mode)
         self.block_size = config.cache_config.block_size
         self.num_blocks = 0
         self.block_tables: dict[str, list[int]] = {}
@@ -177,8 +177,11 @@ class ModelRunner:
             return None
         rows = torch.tensor([r for w in wanted for r in w[1]], dtype=torch.long).to(self.device)
         targets = torch.tensor([t for w in wanted for t in w[2]], dtype=torch.long).to(self.device)
+        # Prompt tokens are not sampled: no processing applies, so the processed modes give
+        # the raw values (log_softmax, or the logits themselves in the *_logits modes).
         entries = logprob_entries(self.model.compute_logits(hidden[rows]), targets,
-                                  [w[3] for w in wanted for _ in w[1]])
+                                  [w[3] for w in wanted for _ in w[1]],
+                                  normalize=self.sampler.logprobs_mode.endswith("logprobs"))
         result, start = {}, 0
         for rid, rows_of, _, _ in wanted:
             result[rid] = entries[start:start + len(rows_of)]
@@ -235,11 +238,9 @@ class ModelRunner:
         self._pending = None
         result = None
         if self.pp_group.is_last_rank:
-            if request_ids:
-                tokens, logprobs = self.sampler.sample(request_ids, *logits)
-            else:
-                tokens, logprobs = [], None
-            result = ModelRunnerOutput(request_ids, tokens, logprobs, prompt_logprobs)
+            sampled = self.sampler.sample(request_ids, *logits) if request_ids else SamplerOutput([])
+            result = ModelRunnerOutput(request_ids, sampled.token_ids, sampled.logprobs, prompt_logprobs,
+                                       sampled.sampling_masks)
         if self.broadcast_sampled_tokens and self.pp_group.world_size > 1:
             result = self.pp_group.broadcast_object(result, src=self.pp_group.world_size - 1)
         return result

@@ -15,7 +15,8 @@ def test_greedy_is_argmax_and_logprobs_hold_top_k_plus_sampled():
     s = Sampler()
     s.add_request("a", SamplingParams(logprobs=2), seed=0)
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
-    tokens, logprobs = s.sample(["a"], logits)
+    out = s.sample(["a"], logits)
+    tokens, logprobs = out.token_ids, out.logprobs
     assert tokens == [1]
     expected = torch.log_softmax(logits[0], -1)
     assert set(logprobs[0]) == {1, 3}
@@ -23,7 +24,8 @@ def test_greedy_is_argmax_and_logprobs_hold_top_k_plus_sampled():
     assert logprobs[0][1] == (pytest.approx(float(expected[1])), 1)
     # logprobs=0: the sampled token alone, with its rank in the distribution.
     s.add_request("b", SamplingParams(logprobs=0, temperature=1.0), seed=1)
-    tokens, logprobs = s.sample(["b"], logits)
+    out = s.sample(["b"], logits)
+    tokens, logprobs = out.token_ids, out.logprobs
     (token,) = tokens
     assert list(logprobs[0]) == [token]
     assert logprobs[0][token][1] == int((expected > expected[token]).sum()) + 1
@@ -40,7 +42,7 @@ def test_seeded_stream_does_not_depend_on_batch():
         s = Sampler()
         for rid in batch_ids:
             s.add_request(rid, params, seed=seeds[rid])
-        return [s.sample(batch_ids, logits[rows])[0] for _ in range(8)]
+        return [s.sample(batch_ids, logits[rows]).token_ids for _ in range(8)]
 
     alone = draws(["b"], [1])
     batched = draws(["a", "b", "c"], [0, 1, 2])
@@ -54,7 +56,7 @@ def test_top_k_1_and_tiny_top_p_are_greedy():
     for params in (SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=1.0, top_p=1e-6)):
         s = Sampler()
         s.add_request("x", params, seed=3)
-        assert all(s.sample(["x"], logits)[0] == [2] for _ in range(10))
+        assert all(s.sample(["x"], logits).token_ids == [2] for _ in range(10))
 
 
 @pytest.mark.parametrize("kwargs", [{"max_tokens": 0}, {"temperature": -1}, {"top_p": 0}, {"top_p": 1.5},
@@ -146,7 +148,7 @@ def test_seeded_draws_do_not_depend_on_batch_composition_at_scale():
         s = Sampler()
         for rid in batch:
             s.add_request(rid, params[rid], seed={"a": 11, "b": seed_b, "g": 0, "p": 44}[rid], stop_ids=[5])
-        return [s.sample(batch, logits[[rows[r] for r in batch]])[0] for _ in range(6)]
+        return [s.sample(batch, logits[[rows[r] for r in batch]]).token_ids for _ in range(6)]
 
     alone = [t[0] for t in draws(["b"])]
     assert [t[1] for t in draws(["a", "b", "g", "p"])] == alone
@@ -178,7 +180,7 @@ def test_min_tokens_masks_stop_ids_then_lets_them_through():
     logits = torch.tensor([[0.0, 5.0, 1.0, 4.0]])  # greedy picks 1, then 3 once 1 is masked
     s = Sampler()
     s.add_request("r", SamplingParams(min_tokens=2, max_tokens=4), seed=0, stop_ids=[1, 9])
-    assert [s.sample(["r"], logits)[0][0] for _ in range(3)] == [3, 3, 1]
+    assert [s.sample(["r"], logits).token_ids[0] for _ in range(3)] == [3, 3, 1]
 
 
 def test_min_p_drops_unlikely_tokens():
@@ -186,5 +188,5 @@ def test_min_p_drops_unlikely_tokens():
     for min_p, allowed in ((0.0, {0, 1, 2, 3}), (0.5, {0, 1})):
         s = Sampler()
         s.add_request("r", SamplingParams(temperature=1.0, min_p=min_p), seed=5)
-        seen = {s.sample(["r"], logits)[0][0] for _ in range(300)}
+        seen = {s.sample(["r"], logits).token_ids[0] for _ in range(300)}
         assert seen == allowed
