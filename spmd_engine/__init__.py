@@ -4,7 +4,7 @@
 plan CLI) stays free of torch until a model is actually needed.
 """
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "SamplingMask"]
 
 
 def __getattr__(name):
@@ -14,7 +14,7 @@ def __getattr__(name):
     if name == "SamplingParams":
         from spmd_engine.sampling_params import SamplingParams
         return SamplingParams
-    if name in ("RequestOutput", "CompletionOutput", "Logprob"):
+    if name in ("RequestOutput", "CompletionOutput", "Logprob", "SamplingMask"):
         from spmd_engine.engine import outputs
         return getattr(outputs, name)
     raise AttributeError(f"module 'spmd_engine' has no attribute {name!r}")

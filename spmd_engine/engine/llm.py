@@ -20,6 +20,7 @@ from spmd_engine.engine.arg_utils import EngineArgs, EngineSetup
 from spmd_engine.engine.core_client import EngineCoreClient, EngineDeadError, InProcClient
 from spmd_engine.engine.outputs import CompletionOutput, Logprob, RequestOutput, SamplingMask
 from spmd_engine.engine.vllm_args import accept_vllm_kwargs
+from spmd_engine.engine.weight_update import WeightUpdates
 from spmd_engine.sampling_params import SamplingParams
 
 SEED_MASK = (1 << 63) - 1
@@ -84,6 +85,8 @@ class LLM:
         self._seed_stream = random.Random(self.seed)
         self._next_request = 0
         self._engine = self._make_engine()
+        external = self.config.parallel_config.distributed_executor_backend == "external_launcher"
+        self._updates = WeightUpdates(self._engine, external)
 
     # -- construction -----------------------------------------------------------
     def _make_engine(self) -> EngineCoreClient:
@@ -112,6 +115,7 @@ class LLM:
         if self._asleep:
             raise RuntimeError(f"the engine is asleep ({', '.join(sorted(self._asleep))} given back by "
                                f"llm.sleep()): call llm.wake_up() before generate")
+        self._updates.check_can_generate()
         if self._weights_discarded:
             missing = sorted({name for names in self._engine.collective_rpc("unwritten_weights") for name in names})
             if missing and not any(self._engine.collective_rpc("weights_loaded_since_discard")):
@@ -135,7 +139,8 @@ class LLM:
             self._seed_stream.setstate(stream)
             raise
         progress = tqdm_progress(use_tqdm, len(requests), progress)
-        relay = _OutputRelay(groups, self.inputs, on_output) if on_output is not None else None
+        version = self._updates.version
+        relay = _OutputRelay(groups, self.inputs, on_output, version) if on_output is not None else None
 
         def on_finished(done: list[Request]) -> None:
             if relay is not None:
@@ -147,10 +152,10 @@ class LLM:
         except EngineDeadError as exc:
             # Replicas that did not fail finished their requests: keep them, in input order.
             done = {r.request_id: r for r in exc.finished}
-            exc.partial_outputs = [_to_output([done[r.request_id] for r in group], self.inputs)
+            exc.partial_outputs = [_to_output([done[r.request_id] for r in group], self.inputs, version)
                                    if all(r.request_id in done for r in group) else None for group in groups]
             raise
-        return [_to_output([finished[r.request_id] for r in group], self.inputs) for group in groups]
+        return [_to_output([finished[r.request_id] for r in group], self.inputs, version) for group in groups]
 
     @property
     def dp_waves(self) -> bool:
@@ -267,9 +272,31 @@ class LLM:
         `reload_weights` (from the model directory) are there for trainers; after either, call
         `reset_prefix_cache()`, or cached blocks keep serving keys and values of the old weights."""
         if method == "load_weights":
-            args = (self._checked_weights(*args, **(kwargs or {})),)
+            try:
+                args = (self._checked_weights(*args, **(kwargs or {})),)
+            except Exception as exc:
+                self._updates.note_load_error(exc)
+                raise
             kwargs = None
         return self._engine.collective_rpc(method, args, kwargs, unique_reply_rank)
+
+    # -- versioned weight updates (engine/weight_update.py) ------------------------------
+    def start_weight_update(self, version: int | str) -> None:
+        """Begin pushing policy `version`: load_weights (any number of calls, here or on the
+        model itself) until finish_weight_update(); generate refuses in between. Under
+        external_launcher every rank of the replica calls both."""
+        self._updates.start(version)
+
+    def finish_weight_update(self) -> int | str:
+        """Complete the update on every rank, or fail it on every rank (RuntimeError naming the
+        first rank's reason): then generate refuses until an update that writes every tensor
+        completes. Reset the prefix cache after it, as after any load."""
+        return self._updates.finish()
+
+    @property
+    def weight_version(self) -> int | str | None:
+        """The version of the last completed update (None before any)."""
+        return self._updates.version
 
     def _checked_weights(self, weights) -> list[tuple[str, Any]]:
         """The pairs as a list, each name and full shape checked here, so a bad one is a ValueError
@@ -348,7 +375,8 @@ def tqdm_progress(use_tqdm, total: int, progress: Callable[[int, int], None] | N
 class _OutputRelay:
     """Hands each prompt's RequestOutput on once all its samples have finished."""
 
-    def __init__(self, groups: list[list[Request]], inputs, on_output):
+    def __init__(self, groups: list[list[Request]], inputs, on_output, version=None):
+        self.version = version
         self.position = {r.request_id: i for i, group in enumerate(groups) for r in group}
         self.sizes = [len(group) for group in groups]
         self.done: dict[int, list[Request]] = {}
@@ -361,10 +389,10 @@ class _OutputRelay:
             samples.append(r)
             if len(samples) == self.sizes[i]:
                 del self.done[i]
-                self.on_output(i, _to_output(samples, self.inputs))
+                self.on_output(i, _to_output(samples, self.inputs, self.version))
 
 
-def _to_output(samples: list[Request], inputs) -> RequestOutput:
+def _to_output(samples: list[Request], inputs, weight_version=None) -> RequestOutput:
     """One prompt's RequestOutput: its samples in index order (ids "k_<id>" when n > 1)."""
     samples = sorted(samples, key=lambda r: int(r.request_id.split("_")[0]) if "_" in r.request_id else 0)
     first = samples[0]
@@ -375,7 +403,7 @@ def _to_output(samples: list[Request], inputs) -> RequestOutput:
         prompt_logprobs = [None] + [_logprob_dict(step, inputs, first.params.detokenize)
                                     for step in first.prompt_logprobs or []]
     return RequestOutput(request_id, first.prompt, list(first.prompt_token_ids), completions,
-                         prompt_logprobs=prompt_logprobs)
+                         prompt_logprobs=prompt_logprobs, weight_version=weight_version)
 
 
 def _logprob_dict(step: dict[int, tuple[float, int]], inputs, detokenize: bool = True) -> dict[int, Logprob]:

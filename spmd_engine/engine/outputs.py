@@ -53,3 +53,5 @@ class RequestOutput:
     finished: bool = True
     # prompt_logprobs=K: per prompt token {token id: Logprob}, None for the first (vLLM's shape).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # LLM.finish_weight_update's version the request was generated under (None before any update).
+    weight_version: int | str | None = None

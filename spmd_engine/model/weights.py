@@ -127,11 +127,39 @@ class CausalLMWeights:
                         module.weight_loader(param, tensor.detach(), shard_id)
                     loaded.add(name)
                     self._mark_written(name)
+        except Exception as exc:
+            if self._update_in_progress and self._update_error is None:
+                self._update_error = f"{type(exc).__name__}: {exc}"
+            raise
         finally:
             from spmd_engine.model.layers.packed_weights import repack
             for module, tensor in dense.items():
                 repack(module, tensor)
         return loaded
+
+    # ---- versioned updates (LLM.start_weight_update / finish_weight_update) ----
+    _update_in_progress = False
+    _update_error: str | None = None  # the first load that failed during the update in progress
+
+    def begin_update(self) -> None:
+        """An update starts: loads are watched until end_update."""
+        self._update_in_progress, self._update_error = True, None
+
+    def end_update(self) -> str | None:
+        """Close the update; the reason this rank cannot serve it (a failed load, or tensors
+        without a value: left out of a recovery or of a restore after sleep), or None. On any
+        rank's reason the front end marks every rank's weights mixed (mark_weights_mixed)."""
+        error, self._update_in_progress, self._update_error = self._update_error, False, None
+        if error is None and self._unwritten:
+            missing = sorted(self._unwritten)
+            error = f"{len(missing)} tensors not loaded (first: {missing[0]})"
+        return error
+
+    def mark_weights_mixed(self) -> None:
+        """Every tensor of this rank counts as having no trusted value until written again (an
+        update failed here or on another rank of the replica)."""
+        self._update_in_progress, self._update_error = False, None
+        self._unwritten = {hf_name for hf_name, _, _ in self.checkpoint_tensors()}
 
     # ---- sleep mode: weights given back and restored ----
     # HF names of this rank's tensors with no value since discard_weights (None: all have one).

@@ -155,6 +155,20 @@ class Worker:
         """Read this rank's weights from the model directory on disk again."""
         return self.model_runner.reload_weights()
 
+    def start_weight_update(self) -> None:
+        """LLM.start_weight_update: watch this rank's loads until finish_weight_update."""
+        self.model_runner.model.begin_update()
+
+    def finish_weight_update(self) -> str | None:
+        """Why this rank cannot serve the update just closed (a failed load, tensors left
+        out), or None; see CausalLMWeights.end_update."""
+        problem = self.model_runner.model.end_update()
+        return None if problem is None else f"rank {self.rank}: {problem}"
+
+    def mark_weights_mixed(self) -> None:
+        """Another rank's update failed: this rank's tensors must all be written again too."""
+        self.model_runner.model.mark_weights_mixed()
+
     def determine_num_kv_blocks(self) -> tuple[int, int]:
         """(blocks, bytes per token): this rank's budget in blocks, the minimum over the world."""
         import torch.distributed as dist
