@@ -11,6 +11,7 @@ such cards. On CPU the same numbers come from the CPU budget rule.
 from __future__ import annotations
 
 from spmd_engine.config import ConfigError, ParallelConfig
+from spmd_engine.model.layers.packed_weights import packing_applies
 from spmd_engine.model.loader import resolve_dtype
 from spmd_engine.model.partition import check_layout, default_pp_partition
 from spmd_engine.plan.rank_weights import RankModels
@@ -22,7 +23,8 @@ def memory_plan(setup, layout: Layout, gpu_memory: int | None, gpus_per_node: in
     """The `"memory"` object of `plan --json` (DESIGN.md 4.3): per rank, fits, verdict.
     `gpu_memory`: each GPU's bytes (None: CPU ranks, the CPU budget rule)."""
     config, spec, hf = setup.config, setup.spec, setup.inputs.hf_config
-    models = RankModels(hf, resolve_dtype(config.model_config.dtype, hf, config.device), spec.moe is not None)
+    dtype = resolve_dtype(config.model_config.dtype, hf, config.device)
+    models = RankModels(hf, dtype, spec.moe is not None, packing_applies(dtype, config.device))
     fit = _layout_memory(models, setup, layout, config.parallel_config, config.model_config.pp_partition,
                          gpu_memory)
     smallest = _smallest_fit(models, setup, gpu_memory, gpus_per_node) if gpu_memory else None

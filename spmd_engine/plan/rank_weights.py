@@ -10,6 +10,7 @@ without weights or a GPU. Ranks at the same coordinates share one build.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -45,8 +46,10 @@ class RankModel:
 class RankModels:
     """Per-rank models of one checkpoint at one dtype, memoised across layouts."""
 
-    def __init__(self, hf_config: Mapping[str, Any], dtype: torch.dtype, is_moe: bool):
-        self.hf_config, self.dtype, self.is_moe = hf_config, dtype, is_moe
+    def __init__(self, hf_config: Mapping[str, Any], dtype: torch.dtype, is_moe: bool, packed: bool = False):
+        """`packed`: the ranks pack their linear weights for oneDNN (CPU, packed_weights.py), which
+        gives a tied LM head a copy of its own beside the embedding."""
+        self.hf_config, self.dtype, self.is_moe, self.packed = hf_config, dtype, is_moe, packed
         self._built: dict[tuple, RankModel] = {}
 
     def for_layout(self, layout: Layout, parallel_config, dp_waves: bool,
@@ -77,4 +80,13 @@ class RankModels:
         model = CausalLM(self.hf_config, tp_group, ShapeGroup(pp, pp_rank), dtype=self.dtype, device="meta",
                          pp_partition=partition, **moe_args)
         tensors = [*model.parameters(), *model.buffers()]
-        return RankModel(sum(t.numel() * t.element_size() for t in tensors), model.kv_bytes_per_token())
+        weight_bytes = sum(_nbytes(t) for t in tensors)
+        if self.packed:
+            holders = Counter(id(p) for m in model.modules() for p in m._parameters.values() if p is not None)
+            weight_bytes += sum(_nbytes(m.weight) for m in model.modules()
+                                if getattr(m, "packable_weight", False) and holders[id(m.weight)] > 1)
+        return RankModel(weight_bytes, model.kv_bytes_per_token())
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
