@@ -9,6 +9,7 @@ of docs/memory-model.md. Bad input is one line on stderr and exit 2.
 import contextlib
 import io
 import json
+import re
 import subprocess
 import sys
 
@@ -131,3 +132,27 @@ def test_a_config_json_alone_works_from_the_command_line(tmp_path):
 def test_bad_input_is_one_line_exit_2(tmp_path, config, flags, needle):
     rc, _, err = plan("--model", config_dir(tmp_path, "m", config), *flags)
     assert rc == 2 and err.count("\n") == 1 and err.startswith("error: ") and needle in err, err
+
+
+def test_the_docs_configs_are_these_shapes():
+    for name, config in (("llama-3-70b", LLAMA_70B), ("qwen3-235b-a22b", QWEN3_235B)):
+        assert json.loads((REPO / "docs" / "configs" / name / "config.json").read_text()) == config
+
+
+@pytest.mark.timeout(120)
+def test_the_readme_table_is_what_plan_says():
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in
+            (REPO / "README.md").read_text().splitlines() if line.startswith(("| Llama-3-70B", "| Qwen3-235B"))]
+    assert len(rows) == 8
+    for model, layout, weights, tokens, seqs, verdict in rows:
+        sizes = dict(re.findall(r"(TP|PP) (\d+)", layout))
+        flags = ["-tp", sizes["TP"], "-pp", sizes.get("PP", "1")]
+        name = "llama-3-70b" if model == "Llama-3-70B" else "qwen3-235b-a22b"
+        for ep in ([], ["--enable-expert-parallel"]) if "EP or not" in layout else ([],):
+            rc, memory, _ = plan("--model", REPO / "docs" / "configs" / name, *WHAT_IF, *flags, *ep)
+            fullest = max(r["weight_bytes"] for r in memory["per_rank"])
+            got = [f"{fullest / GiB:.2f} GiB", str(memory["per_rank"][0]["kv_tokens"]),
+                   str(memory["per_rank"][0]["max_concurrent_seqs"]), memory["fits"]]
+            assert got == [weights, tokens, seqs, verdict.startswith("fits")], (model, layout)
+            smallest = memory["verdict"].rsplit("the smallest that fits: ", 1)[1]
+            assert ("the fewest GPUs" in verdict) == (smallest == f"TP={flags[1]} x PP={flags[3]}")
