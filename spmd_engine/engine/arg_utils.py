@@ -79,12 +79,7 @@ class EngineArgs:
         """Checked in this order; `check_kv_budget=False` for a plan that reports the budget
         instead of refusing it."""
         from spmd_engine.engine.input_processor import InputProcessor
-        from spmd_engine.model.partition import (
-            check_model_parallel,
-            expert_parallel_size,
-            moe_width_ranks_across_dp,
-            parse_pp_partition,
-        )
+        from spmd_engine.model.partition import check_layout, parse_pp_partition
         max_num_seqs, block_size, gpu_memory_utilization = none_means_default(
             max_num_seqs=self.max_num_seqs, block_size=self.block_size,
             gpu_memory_utilization=self.gpu_memory_utilization)
@@ -97,14 +92,7 @@ class EngineArgs:
                                    load_format=self.load_format, logprobs_mode=self.logprobs_mode)
         inputs = InputProcessor(model_config.model_dir, self.max_model_len)
         source = os.path.join(model_config.model_dir, "config.json")
-        spec = check_model_parallel(inputs.hf_config, parallel.tensor_parallel_size,
-                                    parallel.pipeline_parallel_size, source=source)
-        ep_size = expert_parallel_size(parallel, spec)
-        across_dp = moe_width_ranks_across_dp(parallel, spec) if ep_size is None else None
-        if ep_size is not None or across_dp is not None:
-            check_model_parallel(inputs.hf_config, parallel.tensor_parallel_size,
-                                 parallel.pipeline_parallel_size, source=source, ep_size=ep_size,
-                                 expert_width_ranks=across_dp)
+        spec = check_layout(inputs.hf_config, parallel, source)
         partition = self.pp_partition or envs.pp_partition()
         if partition:
             parse_pp_partition(partition, spec.num_layers, parallel.pipeline_parallel_size)

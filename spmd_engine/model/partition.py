@@ -50,6 +50,19 @@ def check_model_parallel(hf_config: Mapping[str, Any], tp: int, pp: int, source:
     return spec
 
 
+def check_layout(hf_config: Mapping[str, Any], parallel_config, source: str = "config.json") -> ModelSpec:
+    """`check_model_parallel` for a whole parallel config: TP x PP, then the experts over the
+    EP group, or each expert's width over DP x TP when a MoE spans DP replicas without EP."""
+    pc = parallel_config
+    tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
+    spec = check_model_parallel(hf_config, tp, pp, source=source)
+    ep_size = expert_parallel_size(pc, spec)
+    across_dp = moe_width_ranks_across_dp(pc, spec) if ep_size is None else None
+    if ep_size is not None or across_dp is not None:
+        check_model_parallel(hf_config, tp, pp, source=source, ep_size=ep_size, expert_width_ranks=across_dp)
+    return spec
+
+
 def _check_experts(spec: ModelSpec, tp: int, ep_size: int | None, width_ranks: int) -> None:
     """Experts split whole over the EP group, or each expert's width over `width_ranks`
     (TP, or DP x TP when a MoE spans DP replicas without EP)."""
@@ -94,6 +107,16 @@ def moe_width_ranks_across_dp(parallel_config, spec: ModelSpec) -> int | None:
     if spec.moe is None or pc.enable_expert_parallel or pc.data_parallel_size == 1:
         return None
     return pc.data_parallel_size * pc.prefill_context_parallel_size * pc.tensor_parallel_size
+
+
+def moe_sharding(parallel_config, dp_waves: bool) -> tuple[str, bool]:
+    """(the axis whose group MoE layers shard their experts over, whether whole experts are
+    split): as vLLM, ("ep", True) with expert parallelism; ("ep", False) when the replicas
+    step in DP waves (each expert's width over the flattened DP x TP ranks); else ("tp",
+    False). The worker picks its groups by it, and the plan sizes each rank's experts by it."""
+    if parallel_config.enable_expert_parallel:
+        return "ep", True
+    return ("ep", False) if dp_waves else ("tp", False)
 
 
 def parse_pp_partition(partition: str | Sequence[int], num_layers: int, pp_size: int,

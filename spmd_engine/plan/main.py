@@ -40,7 +40,12 @@ def build_parser() -> UsageParser:
     kv.add_argument("--max-model-len", type=int, default=None)
     kv.add_argument("--max-num-seqs", type=int, default=256)
     kv.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                    help="where the ranks will run (a CUDA budget is known only on the device)")
+                    help="where the ranks will run (cuda: give --gpu-memory for the memory plan)")
+    kv.add_argument("--gpu-memory", default=None, metavar="SIZE",
+                    help="each GPU's memory (80GiB, 80GB, 80e9, bytes): with --device cuda, per rank the "
+                         "weights, activations, KV blocks left and a fits / does not fit verdict")
+    kv.add_argument("--gpus-per-node", type=int, default=8, metavar="N",
+                    help="GPUs of a node: TP stays within one (for the smallest layout that fits)")
     add_cache_args(parser)
     return parser
 
@@ -83,7 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         config = parallel_config_from_args(args)
         layout, backend = layout_for(config, world)
         check_cache_args(args)
-        kv = kv_plan_from_args(args) if args.model else None
+        gpu_memory = gpu_memory_from_args(args)
+        setup = engine_setup_from_args(args) if args.model else None
+        kv = kv_plan_from_args(setup) if setup else None
+        memory = memory_plan_from_args(args, setup, layout, gpu_memory) if setup else None
         moe = moe_plan_from_args(args, config, layout)
     except (ConfigError, TopologyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -96,20 +104,56 @@ def main(argv: list[str] | None = None) -> int:
             plan["kv_cache"] = kv
         if moe is not None:
             plan["moe"] = moe
+        if memory is not None:
+            plan["memory"] = memory
         print(json.dumps(plan))
     else:
         print(render_plan(layout, backend, args.nnodes, args.enable_expert_parallel))
         if moe is not None:
             print("\n" + render_moe_plan(moe))
-        if kv is not None:
+        if kv is not None and gpu_memory is None:  # with --gpu-memory the memory plan answers it
             print(kv["line"])
+        if memory is not None:
+            from spmd_engine.plan.memory import render_memory
+            print("\n" + render_memory(memory))
+    if memory is not None and not memory["fits"]:
+        print(f"error: {memory['verdict']}", file=sys.stderr)
+        return EXIT_USAGE
     return 0
 
 
-def kv_plan_from_args(args) -> dict:
-    """The KV budget per rank for --model at this layout (imports torch: only with --model)."""
-    from spmd_engine.engine.arg_utils import EngineArgs, front_end_kv_plan
-    setup = EngineArgs.from_cli_args(args).create_engine_config(check_kv_budget=False)
+def gpu_memory_from_args(args) -> int | None:
+    if args.gpu_memory is None:
+        return None
+    if args.device != "cuda":
+        raise ConfigError("--gpu-memory plans GPU ranks: add --device cuda")
+    if args.gpus_per_node < 1:
+        raise ConfigError(f"--gpus-per-node must be >= 1, got {args.gpus_per_node}")
+    from spmd_engine.plan.sizes import parse_size
+    return parse_size(args.gpu_memory)
+
+
+def engine_setup_from_args(args):
+    """The engine's checked config for --model (imports torch: only with --model). A path to a
+    config.json file stands for its directory: a config alone is enough to plan."""
+    from spmd_engine.engine.arg_utils import EngineArgs
+    if os.path.isfile(args.model) and os.path.basename(args.model) == "config.json":
+        args.model = os.path.dirname(os.path.abspath(args.model))
+    return EngineArgs.from_cli_args(args).create_engine_config(check_kv_budget=False)
+
+
+def memory_plan_from_args(args, setup, layout: Layout, gpu_memory: int | None) -> dict | None:
+    """Per-rank memory and the verdict: on CPU, or on GPUs of --gpu-memory bytes (without it a
+    GPU's budget is known only on the device, and the KV line says so)."""
+    if args.device == "cuda" and gpu_memory is None:
+        return None
+    from spmd_engine.plan.memory import memory_plan
+    return memory_plan(setup, layout, gpu_memory, args.gpus_per_node)
+
+
+def kv_plan_from_args(setup) -> dict:
+    """The KV budget per rank for --model at this layout."""
+    from spmd_engine.engine.arg_utils import front_end_kv_plan
     config, processor = setup.config, setup.inputs
     plan = front_end_kv_plan(config, processor.hf_config, setup.spec)
     return {"bytes_per_token": plan.bytes_per_token, "budget_bytes": plan.budget_bytes,

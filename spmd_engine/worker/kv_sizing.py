@@ -56,6 +56,26 @@ def activation_bytes(max_num_batched_tokens: int, hidden_size: int, intermediate
     return max_num_batched_tokens * per_token + max_num_seqs * vocab_per_rank * 4 * 2
 
 
+def step_activation_bytes(scheduler_config, spec, tp_size: int, itemsize: int) -> int:
+    """`activation_bytes` for this model at this TP size and step budget: what a CUDA rank
+    reserves (its runner) and what `plan --gpu-memory` reserves for it, from one place."""
+    sc = scheduler_config
+    return activation_bytes(sc.max_num_batched_tokens or 8192, spec.hidden_size, spec.intermediate_size // tp_size,
+                            -(-spec.vocab_size // tp_size), sc.max_num_seqs, itemsize)
+
+
+def rank_budget(config: EngineConfig, spec, tp_size: int, itemsize: int,
+                device_memory: tuple[int, int] | None) -> int:
+    """One rank's KV budget: on a GPU (`device_memory` = its (free, total) bytes) the CUDA rule
+    less a step's activations; on CPU (None) the host rule. The runner passes what its device
+    reports; the plan passes a card's size less the weights it computed."""
+    if device_memory is None:
+        return cpu_budget(config.cache_config, *host_share(config.parallel_config))
+    free, total = device_memory
+    act = step_activation_bytes(config.scheduler_config, spec, tp_size, itemsize)
+    return cuda_budget(config.cache_config, total, free, act)
+
+
 def num_blocks_for(budget_bytes: int, block_size: int, bytes_per_token: int) -> int:
     return max(0, budget_bytes) // (block_size * max(1, bytes_per_token))
 
@@ -123,7 +143,7 @@ def plan_kv(config: EngineConfig, spec, itemsize: int, available_bytes: int, pro
     if config.device != "cpu":
         return KVPlan(per_token, None, cache.block_size,
                       f"{cache.gpu_memory_utilization:g} of each GPU less weights and activations, "
-                      f"measured on the device")
+                      f"measured on the device (give --gpu-memory SIZE to plan it here)")
     budget = cpu_budget(cache, available_bytes, procs_on_host)
     return KVPlan(per_token, budget, cache.block_size,
                   f"CPU default: min(4 GiB, 40% of available memory / {procs_on_host} processes)")

@@ -74,15 +74,9 @@ class ModelRunner:
 
     def kv_budget_bytes(self) -> int:
         """This rank's KV budget from its device's memory (kv_sizing's rules)."""
-        cache, sc = self.config.cache_config, self.config.scheduler_config
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            spec, tp = self.model.spec, self.tp_group.world_size
-            act = kv_sizing.activation_bytes(sc.max_num_batched_tokens or 8192, spec.hidden_size,
-                                             spec.intermediate_size // tp, -(-spec.vocab_size // tp),
-                                             sc.max_num_seqs, self.model.dtype.itemsize)
-            return kv_sizing.cuda_budget(cache, total, free, act)
-        return kv_sizing.cpu_budget(cache, *kv_sizing.host_share(self.config.parallel_config))
+        memory = torch.cuda.mem_get_info(self.device) if self.device.type == "cuda" else None
+        return kv_sizing.rank_budget(self.config, self.model.spec, self.tp_group.world_size,
+                                     self.model.dtype.itemsize, memory)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Per layer K and V blocks, zeroed (unwritten slots are read under a mask: they must be

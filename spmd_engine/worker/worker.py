@@ -88,11 +88,11 @@ class Worker:
         DP x TP ranks (the EP-shaped group). Across replicas tokens are gathered over the DP
         group (moe.py)."""
         from spmd_engine.distributed import get_ep_group
-        if self.config.parallel_config.enable_expert_parallel:
-            return {"moe_group": get_ep_group(), "expert_parallel": True, "dispatch_group": self.dp_group}
-        if self.config.dp_waves:
-            return {"moe_group": get_ep_group(), "expert_parallel": False, "dispatch_group": self.dp_group}
-        return {"moe_group": self.tp_group, "expert_parallel": False}
+        from spmd_engine.model.partition import moe_sharding
+        axis, expert_parallel = moe_sharding(self.config.parallel_config, self.config.dp_waves)
+        if axis == "tp":
+            return {"moe_group": self.tp_group, "expert_parallel": False}
+        return {"moe_group": get_ep_group(), "expert_parallel": expert_parallel, "dispatch_group": self.dp_group}
 
     def _init_engine_world(self, backend: str) -> None:
         """Join the torch world of engine-spawned workers.
