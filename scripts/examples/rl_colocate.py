@@ -154,7 +154,11 @@ def main(argv=None) -> list[float]:
 
         llm.wake_up(tags=["weights"])
         if not args.no_weight_sync:
+            # A versioned push: no rank serves a half-written policy, and each rollout after it
+            # says which policy produced it (RequestOutput.weight_version).
+            llm.start_weight_update(step + 1)
             engine_model.load_weights(model.state_dict().items())  # full tensors, HF names
+            llm.finish_weight_update()
         llm.wake_up(tags=["kv_cache"])
         llm.reset_prefix_cache()  # cached prefixes hold keys and values of the old weights
 
@@ -162,8 +166,9 @@ def main(argv=None) -> list[float]:
         diff = world_max(diff)
         curve.append(round(reward, 4))
         if rank == 0:
-            print(f"step {step:2d}  mean reward {reward:6.3f}  max |trainer - engine logprob| {diff:.2e}"
-                  f"  ({replicas} replicas x {len(samples)} samples)", flush=True)
+            print(f"step {step:2d}  policy {outs[0].weight_version}  mean reward {reward:6.3f}  "
+                  f"max |trainer - engine logprob| {diff:.2e}  ({replicas} replicas x {len(samples)} samples)",
+                  flush=True)
     if rank == 0:
         print("REWARD_CURVE " + json.dumps(curve), flush=True)
     llm.shutdown()  # the engine's groups only: the trainer's world is still up

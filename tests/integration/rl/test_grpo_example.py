@@ -16,28 +16,32 @@ SCRIPT = str(REPO / "scripts" / "examples" / "rl_colocate.py")
 SHORT = ["--steps", "4", "--lr", "3e-3", "--prompts-per-replica", "2"]
 
 
-def _run(extra: list[str]) -> tuple[list[float], list[float]]:
-    """The reward per step and the largest |trainer - engine| logprob difference per step."""
+def _run(extra: list[str]) -> tuple[list[float], list[float], list[str]]:
+    """The reward, the largest |trainer - engine| logprob difference and the policy version the
+    rollouts ran under, per step."""
     require_reference("transformers")  # the example's trainer model
     launch = run_torchrun(4, [SCRIPT, *SHORT, *extra], timeout=110)
     assert launch.returncode == 0, launch.describe()
     assert not launch.leftover_pids and not launch.stale_segments(), launch.describe()
     curve = json.loads(re.search(r"^REWARD_CURVE (.*)$", launch.stdout, re.M).group(1))
     diffs = [float(d) for d in re.findall(r"max \|trainer - engine logprob\| (\S+)", launch.stdout)]
-    assert len(curve) == len(diffs) == 4, launch.describe()
-    return curve, diffs
+    versions = re.findall(r"^step +\d+  policy (\S+)", launch.stdout, re.M)
+    assert len(curve) == len(diffs) == len(versions) == 4, launch.describe()
+    return curve, diffs, versions
 
 
 @pytest.mark.timeout(120)
 def test_grpo_reward_rises_when_the_weights_reach_the_engine():
-    curve, diffs = _run([])
+    curve, diffs, versions = _run([])
+    assert versions == ["None", "1", "2", "3"]  # each step's rollouts on the last pushed policy
     assert max(diffs) < 1e-3, diffs  # trainer and engine run the same weights at every step
     assert curve[-1] == max(curve) and curve[-1] > curve[0] + 2.0, curve  # here: 1.50 -> 5.75
 
 
 @pytest.mark.timeout(120)
 def test_without_the_weight_push_the_engine_stays_on_the_old_policy():
-    curve, diffs = _run(["--no-weight-sync"])
+    curve, diffs, versions = _run(["--no-weight-sync"])
+    assert versions == ["None"] * 4
     assert diffs[0] < 1e-3 and min(diffs[1:]) > 1.0, diffs  # the trainer moved, the engine did not
     # Here 1.50, 1.56, 1.63, 1.50: draws from one policy (the 10-step control's spread over 0.34).
     assert max(curve) < curve[0] + 2.0, curve
