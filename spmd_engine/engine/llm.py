@@ -157,6 +157,27 @@ class LLM:
             raise
         return [_to_output([finished[r.request_id] for r in group], self.inputs, version) for group in groups]
 
+    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool | Callable = False, lora_request=None, chat_template: str | None = None,
+             chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None, mm_processor_kwargs=None) -> list[RequestOutput]:
+        """vLLM's LLM.chat: one conversation (a list of {"role", "content"} messages) or a list of
+        them, rendered with the checkpoint's chat template (or `chat_template`, template text),
+        then generated as `generate` would; each RequestOutput's `prompt` is the rendered text.
+        See engine/chat_template.py for how a template is rendered."""
+        if lora_request is not None or mm_processor_kwargs is not None:
+            raise ConfigError("LLM.chat: LoRA and multimodal inputs are not supported")
+        from spmd_engine.engine.chat_template import chat_prompt, choose_template, normalize_messages
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        model_dir = self.config.model_config.model_dir
+        template = choose_template(model_dir, chat_template, tools)
+        prompts = [chat_prompt(self.tokenizer, model_dir, normalize_messages(c, chat_template_content_format),
+                               template, add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message, tools=tools,
+                               variables=chat_template_kwargs) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     @property
     def dp_waves(self) -> bool:
         """The DP replicas step in lockstep (a mixture of experts under DP: engine/dp_waves.py).

@@ -13,7 +13,6 @@ from spmd_engine import topology
 from spmd_engine.config import ConfigError
 from spmd_engine.run.output_parts import PartWriter, index_parts, job_identity, merge_parts, restarted
 from spmd_engine.run.progress import Progress, progress_wanted
-from spmd_engine.run.prompts import PromptInput
 from spmd_engine.run.records import generate_records
 
 if TYPE_CHECKING:
@@ -30,8 +29,8 @@ def check_launched_world(setup: "EngineSetup") -> None:
         topology.Layout.of(setup.config.parallel_config, launch.world_size)
 
 
-def check_same_invocation(args, prompts: list[PromptInput]) -> None:
-    """Every rank must have the same flags and prompts; compare a hash through the
+def check_same_invocation(args, inputs) -> None:
+    """Every rank must have the same flags and inputs (a job's key()); compare a hash through the
     launcher's store before any group or model exists, and fail on every rank.
 
     Rank 0 alone reads every rank's hash and publishes the verdict; the others read
@@ -41,7 +40,7 @@ def check_same_invocation(args, prompts: list[PromptInput]) -> None:
 
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _get_default_store
-    digest = hashlib.sha256(repr((sorted(vars(args).items()), prompts)).encode()).hexdigest()
+    digest = hashlib.sha256(repr((sorted(vars(args).items()), inputs)).encode()).hexdigest()
     store, rank, world = _get_default_store(), dist.get_rank(), dist.get_world_size()
     verdict_key = "spmd_engine/invocation/verdict"
     if rank == 0:
@@ -88,12 +87,12 @@ def log_engine_stats(llm, first_replica: int = 0) -> None:
                         first_replica + i, s["waves"], s["wave_steps"], s["dummy_steps"])
 
 
-def run_launched(args, setup, prompts, params, todo: list[int], ident: dict | None) -> list[dict] | None:
+def run_launched(args, setup, job, todo: list[int], ident: dict | None) -> list[dict] | None:
     """Under torchrun/srun: this replica's share of `todo`, streamed to its part file (with
     --output) and merged by global rank 0, or gathered to global rank 0 and returned."""
     from spmd_engine.distributed import init_distributed_environment
     init_distributed_environment(timeout_s=args.timeout)
-    check_same_invocation(args, prompts)
+    check_same_invocation(args, job.key())
     from spmd_engine.engine.llm import LLM
     llm = LLM.from_engine_setup(setup)
     try:
@@ -111,13 +110,13 @@ def run_launched(args, setup, prompts, params, todo: list[int], ident: dict | No
         is_head = world.rank % layout.world_size == 0
         heads = list(range(0, world.world_size, layout.world_size))
         if args.output is None:
-            records = generate_records(llm, prompts, params, indices, progress=progress)
+            records = generate_records(llm, job, indices, progress=progress)
             if is_head:
                 log_engine_stats(llm, first_replica=replica)
             return gather_records(records, world.rank, is_head, heads)
         writer = PartWriter(args.output, ident, replica) if is_head else None
         try:
-            generate_records(llm, prompts, params, indices, progress=progress, sink=writer)
+            generate_records(llm, job, indices, progress=progress, sink=writer)
         finally:
             if writer is not None:
                 writer.close()
@@ -125,7 +124,7 @@ def run_launched(args, setup, prompts, params, todo: list[int], ident: dict | No
             log_engine_stats(llm, first_replica=replica)
         gather_records([], world.rank, is_head, heads)  # every part is complete: rank 0 merges
         if world.rank == 0:
-            merge_parts(args.output, ident, len(prompts))
+            merge_parts(args.output, ident, len(job), drop_index=job.drop_index)
         return None
     finally:
         llm.shutdown()
@@ -155,29 +154,29 @@ def gather_records(records: list[dict], rank: int, is_replica_head: bool, heads:
     return sorted(merged, key=lambda r: r["index"])
 
 
-def run_local(args, setup, prompts, params, todo: list[int], ident: dict | None) -> list[dict] | None:
+def run_local(args, setup, job, todo: list[int], ident: dict | None) -> list[dict] | None:
     from spmd_engine.engine.llm import LLM
     llm = LLM.from_engine_setup(setup)
     try:
         progress = Progress(len(todo)) if progress_wanted(args) else None
         if args.output is None:
-            records = generate_records(llm, prompts, params, todo, progress=progress)
+            records = generate_records(llm, job, todo, progress=progress)
             log_engine_stats(llm)
             return records
         writer = PartWriter(args.output, ident, 0)
         try:
-            generate_records(llm, prompts, params, todo, progress=progress, sink=writer)
+            generate_records(llm, job, todo, progress=progress, sink=writer)
         finally:
             writer.close()
         log_engine_stats(llm)
     finally:
         llm.shutdown()
-    merge_parts(args.output, ident, len(prompts))
+    merge_parts(args.output, ident, len(job), drop_index=job.drop_index)
     return None
 
 
-def prompts_to_do(args, prompts: list[PromptInput]) -> tuple[list[int], dict | None]:
-    """Which prompts this run generates: all, or (resuming) those no part file holds yet.
+def prompts_to_do(args, job) -> tuple[list[int], dict | None]:
+    """Which of the job's inputs this run generates: all, or (resuming) those no part file holds yet.
 
     Every rank reads the parts before any group exists, and no writer opens its part
     before the groups are built (a world-wide collective), so every rank sees the same.
@@ -185,17 +184,17 @@ def prompts_to_do(args, prompts: list[PromptInput]) -> tuple[list[int], dict | N
     if args.output is None:
         if args.resume:
             raise ConfigError("--resume needs --output: it continues that file's part files")
-        return list(range(len(prompts))), None
-    ident = job_identity(args, prompts)
+        return list(range(len(job))), None
+    ident = job_identity(args, job)
     index = index_parts(args.output, ident)
     if not index.parts:
-        return list(range(len(prompts))), ident
+        return list(range(len(job))), ident
     why = "--resume" if args.resume else restarted()
     if why is None:
         raise ConfigError(f"--output {args.output}: {len(index.parts)} part files of an interrupted run "
                           f"are there ({len(index.locations)} records); pass --resume to continue it, "
                           f"or delete {args.output}.part-*")
-    todo = [i for i in range(len(prompts)) if i not in index.locations]
+    todo = [i for i in range(len(job)) if i not in index.locations]
     logger.info("resuming (%s): %d of %d prompts done in %d part files, %d to go", why,
-                len(index.locations), len(prompts), len(index.parts), len(todo))
+                len(index.locations), len(job), len(index.parts), len(todo))
     return todo, ident

@@ -25,8 +25,8 @@ from spmd_engine.run.cli_args import (
     check_cache_args,
 )
 from spmd_engine.run.jobs import check_launched_world, prompts_to_do, run_launched, run_local
-from spmd_engine.run.prompts import PromptInput, load_prompts
-from spmd_engine.run.records import print_records
+from spmd_engine.run.prompts import load_prompts, read_chat_template
+from spmd_engine.run.records import PromptJob, print_records
 from spmd_engine.sampling_params import SamplingParams
 from spmd_engine.topology import TopologyError
 
@@ -41,32 +41,41 @@ DEFAULT_MAX_TOKENS = 1024  # enough for the bundled model to recite its whole te
 
 def build_parser() -> UsageParser:
     p = UsageParser(prog="python -m spmd_engine.run", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="HF-format directory (config.json + *.safetensors); "
-                                                 "default: the bundled model")
-    add_parallel_args(p)
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts-file", default=None,
-                   help='.txt: one prompt a line; .jsonl: {"prompt": str} or {"prompt_token_ids": [int]} a line')
+                   help='.txt: one prompt a line; .jsonl: {"prompt": str}, {"prompt_token_ids": [int]} '
+                        'or {"messages": [{"role", "content"}, ...]} a line')
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--logprobs", type=int, default=None, metavar="K")
+    p.add_argument("--output", default=None, metavar="FILE.jsonl",
+                   help="results, in input order; streamed to FILE.jsonl.part-* while the run goes")
+    add_job_args(p)
+    return p
+
+
+def add_job_args(p: UsageParser) -> None:
+    """The flags of run and run_batch alike: model, layout, cache, seed, chat template, resume."""
+    p.add_argument("--model", default=None, help="HF-format directory (config.json + *.safetensors); "
+                                                 "default: the bundled model")
+    add_parallel_args(p)
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="jinja chat template for conversations (default: the checkpoint's, from "
+                        "tokenizer_config.json or chat_template.jinja)")
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=DTYPES, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
     add_cache_args(p)
     p.add_argument("--pp-partition", default=None, metavar="3,3,2",
                    help="layers per PP stage (default: vLLM's even split)")
-    p.add_argument("--output", default=None, metavar="FILE.jsonl",
-                   help="results, in input order; streamed to FILE.jsonl.part-* while the run goes")
     p.add_argument("--resume", action="store_true",
-                   help="continue an interrupted --output run: skip prompts its part files already hold")
+                   help="continue an interrupted output file: skip inputs its part files already hold")
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                    help="limit for every collective and worker call (default: SPMD_ENGINE_TIMEOUT_S or 300)")
     p.add_argument("--quiet", action="store_true", help="no logs or progress")
-    return p
 
 
 def sampling_params_from_args(args) -> SamplingParams:
@@ -75,24 +84,31 @@ def sampling_params_from_args(args) -> SamplingParams:
 
 
 def check_args(args) -> None:
+    """The flags every job shares, checked before any file or model is read."""
     check_cache_args(args)
-    if args.prompt and args.prompts_file:
-        raise ConfigError("give prompts with --prompt or --prompts-file, not both")
     if args.output and os.path.isdir(args.output):
         raise ConfigError(f"--output {args.output} is a directory")
     if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
         raise ConfigError(f"--output {args.output}: its directory does not exist")
 
 
-def check_model_and_prompts(args, prompts: list[PromptInput]) -> "EngineSetup":
+def load_job(args) -> PromptJob:
+    """run's job: the prompts of --prompt or --prompts-file, with the sampling flags."""
+    check_args(args)
+    if args.prompt and args.prompts_file:
+        raise ConfigError("give prompts with --prompt or --prompts-file, not both")
+    return PromptJob(load_prompts(args.prompt, args.prompts_file), sampling_params_from_args(args),
+                     read_chat_template(args.chat_template))
+
+
+def check_model_and_job(args, job) -> "EngineSetup":
     """The engine's configuration (the model against the layout, the KV budget), the
-    checkpoint's headers, then every prompt against the model: before any process starts."""
+    checkpoint's headers, then every input against the model: before any process starts."""
     from spmd_engine.engine.arg_utils import EngineArgs
     from spmd_engine.model.loader import check_checkpoint
     setup = EngineArgs.from_cli_args(args).create_engine_config()
     check_checkpoint(setup.config.model_config.model_dir)
-    for index, prompt in enumerate(prompts):
-        setup.inputs.encode(prompt.as_llm_input(), index)
+    job.check(setup)
     return setup
 
 
@@ -134,25 +150,28 @@ def _exit_on_sigterm() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    return execute(build_parser().parse_args(argv), load_job)
+
+
+def execute(args, load_job) -> int:
+    """A job from start to exit code, alone or under a launcher (run and run_batch):
+    `load_job(args)` reads and checks its input before any model is read."""
     _exit_on_sigterm()
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format=f"[rank{launched_rank()}] %(message)s")
     rank0 = launched_rank() == 0
     try:
-        check_args(args)
-        prompts = load_prompts(args.prompt, args.prompts_file)
-        params = sampling_params_from_args(args)
+        job = load_job(args)
         launched = _launched() and args.distributed_executor_backend in (None, "external_launcher")
         if launched:
             args.distributed_executor_backend = "external_launcher"
-        setup = check_model_and_prompts(args, prompts)
-        todo, ident = prompts_to_do(args, prompts)
+        setup = check_model_and_job(args, job)
+        todo, ident = prompts_to_do(args, job)
         if launched:
             check_launched_world(setup)
-            records = run_launched(args, setup, prompts, params, todo, ident)
+            records = run_launched(args, setup, job, todo, ident)
         else:
-            records = run_local(args, setup, prompts, params, todo, ident)
+            records = run_local(args, setup, job, todo, ident)
     except (ConfigError, TopologyError) as exc:
         if rank0:
             flag = getattr(exc, "flag", None)
@@ -172,10 +191,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def entry() -> None:
-    """Console-script entry; torchrun's @record writes the root cause to its error file."""
+def entry(main_function=None) -> None:
+    """Console-script entry (of run, or of run_batch's `main_function`); torchrun's @record
+    writes the root cause to its error file."""
+    main_function = main_function or main
     try:
         from torch.distributed.elastic.multiprocessing.errors import record
     except ImportError:  # pragma: no cover
-        sys.exit(main())
-    sys.exit(record(main)())
+        sys.exit(main_function())
+    sys.exit(record(main_function)())

@@ -35,18 +35,16 @@ logger = logging.getLogger("spmd_engine")
 
 FSYNC_S = 2.0
 PART_MAGIC = "spmd_engine_part"
-# Flags that change what a record holds; layout and timing flags do not.
-OUTPUT_FLAGS = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "dtype",
-                "max_model_len", "pp_partition")
 
 
-def job_identity(args, prompts) -> dict:
-    """What a part file must match to be resumed: model, output-shaping flags, prompts."""
+def job_identity(args, job) -> dict:
+    """What a part file must match to be resumed: model, the job's output-shaping flags
+    (layout and timing flags are not among them), its inputs (see run/records.py)."""
     from spmd_engine.config import ModelConfig
-    flags = {name: getattr(args, name, None) for name in OUTPUT_FLAGS}
+    flags = {name: getattr(args, name, None) for name in job.output_flags}
     flags["model"] = os.path.abspath(ModelConfig(model=args.model).model_dir)
-    prompts_digest = hashlib.sha256(repr([(p.text, p.token_ids) for p in prompts]).encode()).hexdigest()
-    ident = {"flags": flags, "prompts": prompts_digest, "num_prompts": len(prompts)}
+    prompts_digest = hashlib.sha256(job.key().encode()).hexdigest()
+    ident = {"flags": flags, "prompts": prompts_digest, "num_prompts": len(job)}
     ident["digest"] = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
     return ident
 
@@ -65,7 +63,7 @@ class PartIndex:
 
 def _differences(theirs: dict, ours: dict) -> str:
     diffs = []
-    for name in OUTPUT_FLAGS:
+    for name in ours["flags"]:
         a, b = theirs.get("flags", {}).get(name), ours["flags"][name]
         if a != b:
             diffs.append(f"{name.replace('_', '-')} {a!r} (now {b!r})")
@@ -140,8 +138,10 @@ def record_line(record: dict) -> str:
     return json.dumps(record, ensure_ascii=False) + "\n"
 
 
-def merge_parts(output: str, ident: dict, num_prompts: int) -> None:
-    """Every part into `output`, in input order, atomically; then the parts go."""
+def merge_parts(output: str, ident: dict, num_prompts: int, drop_index: bool = False) -> None:
+    """Every part into `output`, in input order, atomically; then the parts go. With
+    `drop_index` each line leaves out the "index" the parts needed (run_batch's lines are
+    OpenAI's batch output objects, which have none)."""
     index = index_parts(output, ident)
     missing = [i for i in range(num_prompts) if i not in index.locations]
     if missing:
@@ -157,7 +157,12 @@ def merge_parts(output: str, ident: dict, num_prompts: int) -> None:
                 if f is None:
                     f = handles[path] = open(path, "rb")
                 f.seek(offset)
-                out.write(f.read(length))
+                line = f.read(length)
+                if drop_index:
+                    record = json.loads(line)
+                    del record["index"]
+                    line = record_line(record).encode("utf-8")
+                out.write(line)
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, output)  # readers see the whole file or none

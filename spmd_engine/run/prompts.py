@@ -16,10 +16,15 @@ DEFAULT_PROMPT = "Beautiful is"
 
 @dataclass(frozen=True)
 class PromptInput:
+    """A prompt as text, token ids, or a conversation; a rendered conversation has both the
+    text its chat template wrote and that text's ids (tokenized without added special tokens)."""
     text: str | None = None
     token_ids: tuple[int, ...] | None = None
+    messages: list[dict] | None = None
 
     def as_llm_input(self):
+        if self.text is not None and self.token_ids is not None:
+            return {"prompt": self.text, "prompt_token_ids": list(self.token_ids)}
         return self.text if self.text is not None else list(self.token_ids)
 
 
@@ -49,7 +54,13 @@ def _jsonl_prompt(path: str, lineno: int, line: str) -> PromptInput:
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{where}: malformed JSON: {exc.msg} (column {exc.colno})") from None
     if not isinstance(obj, dict):
-        raise ConfigError(f'{where}: expected an object with "prompt" or "prompt_token_ids"')
+        raise ConfigError(f'{where}: expected an object with "prompt", "prompt_token_ids" or "messages"')
+    if "messages" in obj:
+        from spmd_engine.engine.chat_template import normalize_messages
+        try:
+            return PromptInput(messages=normalize_messages(obj["messages"]))
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
     if "prompt" in obj:
         if not isinstance(obj["prompt"], str) or not obj["prompt"]:
             raise ConfigError(f'{where}: "prompt" must be a non-empty string')
@@ -60,4 +71,37 @@ def _jsonl_prompt(path: str, lineno: int, line: str) -> PromptInput:
                 or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
             raise ConfigError(f'{where}: "prompt_token_ids" must be a non-empty list of non-negative integers')
         return PromptInput(token_ids=tuple(ids))
-    raise ConfigError(f'{where}: expected "prompt" or "prompt_token_ids"')
+    raise ConfigError(f'{where}: expected "prompt", "prompt_token_ids" or "messages"')
+
+
+def read_chat_template(path: str | None) -> str | None:
+    """--chat-template FILE: the template text (None: the checkpoint's)."""
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise ConfigError(f"--chat-template {path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--chat-template {path}: cannot read: {exc}") from None
+
+
+def render_conversations(prompts: list[PromptInput], model_dir: str, tokenizer,
+                         chat_template: str | None) -> list[PromptInput]:
+    """Each conversation as the prompt its chat template writes (text and ids); other prompts
+    as they are. Without any conversation no template is needed."""
+    if all(p.messages is None for p in prompts):
+        return prompts
+    from spmd_engine.engine.chat_template import chat_prompt, choose_template
+    template = choose_template(model_dir, chat_template, None)
+    rendered = []
+    for index, p in enumerate(prompts):
+        if p.messages is not None:
+            try:
+                d = chat_prompt(tokenizer, model_dir, p.messages, template)
+            except ConfigError as exc:
+                raise ConfigError(f"prompt {index}: {exc}") from None
+            p = PromptInput(text=d["prompt"], token_ids=tuple(d["prompt_token_ids"]))
+        rendered.append(p)
+    return rendered

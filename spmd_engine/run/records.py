@@ -1,11 +1,28 @@
-"""A run's results: one record per prompt (the output file's JSON object), generated in
-input order over the indices a replica owns, streamed to a sink as they finish."""
+"""A job's results: one record per input (the output file's JSON object), generated in
+input order over the indices a replica owns, streamed to a sink as they finish.
+
+A job is what `run` and `run_batch` differ in; everything else (launch, split over
+replicas, part files, resume, merge) is theirs in common (jobs.py, output_parts.py).
+It has: `len(job)`; `key()`, a string that names its inputs (resume and the
+same-invocation check compare its digest); `output_flags`, the flags that shape a
+record; `check(setup)`, every input checked (and rendered) against the model before
+any process starts; `ready_record(i)`, a record that needs no generation (an invalid
+batch line) or None; `request(i, engine_seed)`, the (prompt, SamplingParams) to
+generate; `record(i, out)`, the record of a RequestOutput; and `drop_index`, whether
+the merged file leaves out the "index" every part-file line carries.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 from spmd_engine.run.progress import Progress
-from spmd_engine.run.prompts import PromptInput
+from spmd_engine.run.prompts import PromptInput, render_conversations
 from spmd_engine.sampling_params import SamplingParams
+
+# Flags that change what a `run` record holds; layout and timing flags do not.
+RUN_OUTPUT_FLAGS = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "dtype",
+                    "max_model_len", "pp_partition")
 
 
 def result_record(index: int, prompt: PromptInput, out) -> dict:
@@ -23,26 +40,62 @@ def result_record(index: int, prompt: PromptInput, out) -> dict:
     return record
 
 
-def generate_records(llm, prompts: list[PromptInput], params: SamplingParams, indices: list[int],
-                     progress: Progress | None = None, sink=None) -> list[dict]:
-    """Generate for a share of the prompts, seeding each by its global index (a replica's
-    share can be empty: fewer prompts than replicas). `sink.append(record)` gets each
-    record as soon as its request finishes (the part file)."""
-    if not indices:
-        if llm.dp_waves:  # no prompts here, but the other replicas' steps need this one's
-            llm.generate([], params)
-        return []
-    from dataclasses import replace
+@dataclass
+class PromptJob:
+    """`run`'s job: prompts (text, ids, conversations) with one SamplingParams, each seeded by
+    its index in the whole input."""
+    prompts: list[PromptInput]
+    params: SamplingParams
+    chat_template: str | None = None
+    output_flags = RUN_OUTPUT_FLAGS
+    drop_index = False
 
-    from spmd_engine.engine.llm import request_seed
-    per_prompt = [replace(params, seed=request_seed(llm.seed, i)) for i in indices]
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def key(self) -> str:
+        return repr([(p.text, p.token_ids) for p in self.prompts])
+
+    def check(self, setup) -> None:
+        inputs = setup.inputs
+        self.prompts = render_conversations(self.prompts, setup.config.model_config.model_dir,
+                                            inputs.tokenizer, self.chat_template)
+        for index, prompt in enumerate(self.prompts):
+            inputs.encode(prompt.as_llm_input(), index)
+
+    def ready_record(self, index: int) -> None:
+        return None
+
+    def request(self, index: int, engine_seed: int):
+        from spmd_engine.engine.llm import request_seed
+        return self.prompts[index].as_llm_input(), replace(self.params, seed=request_seed(engine_seed, index))
+
+    def record(self, index: int, out) -> dict:
+        return result_record(index, self.prompts[index], out)
+
+
+def generate_records(llm, job, indices: list[int], progress: Progress | None = None, sink=None) -> list[dict]:
+    """Generate for a share of the job (a replica's share can be empty: fewer inputs than
+    replicas). `sink.append(record)` gets each record as soon as it is known (the part file):
+    ready ones at once, the others as their requests finish. Returns them in index order."""
+    ready = {i: r for i in indices if (r := job.ready_record(i)) is not None}
+    if sink is not None:
+        for record in ready.values():
+            sink.append(record)
+    todo = [i for i in indices if i not in ready]
+    if not todo:
+        if llm.dp_waves:  # nothing to generate here, but the other replicas' steps need this one's
+            llm.generate([], SamplingParams())
+        return list(ready.values())
+    requests = [job.request(i, llm.seed) for i in todo]
     on_output = None
     if sink is not None:
         def on_output(position, out):
-            sink.append(result_record(indices[position], prompts[indices[position]], out))
-    outs = llm.generate([prompts[i].as_llm_input() for i in indices], per_prompt,
+            sink.append(job.record(todo[position], out))
+    outs = llm.generate([prompt for prompt, _ in requests], [params for _, params in requests],
                         progress=progress.update if progress is not None else None, on_output=on_output)
-    return [result_record(i, prompts[i], out) for i, out in zip(indices, outs)]
+    records = {**ready, **{i: job.record(i, out) for i, out in zip(todo, outs)}}
+    return [records[i] for i in sorted(records)]
 
 
 def print_records(records: list[dict]) -> None:

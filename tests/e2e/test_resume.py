@@ -13,31 +13,15 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
-from launch import REPO, base_env, run_torchrun, tagged_pids
+from launch import REPO, base_env, run_torchrun
+from part_files import kill_after_records, records_in_parts, wait_for_records
 
 PROMPTS = ["Beautiful is", "Explicit is", "Simple is", "Complex is", "Flat is", "Sparse is",
            "Readability", "Errors should"]
 FLAGS = ["--max-tokens", "120", "--max-num-seqs", "1", "--seed", "5"]
-
-
-def records_in_parts(out: Path) -> int:
-    n = 0
-    for part in out.parent.glob(out.name + ".part-*"):
-        n += max(0, part.read_bytes().count(b"\n") - 1)  # minus the header line
-    return n
-
-
-def wait_for_records(out: Path, k: int, timeout: float = 120) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if records_in_parts(out) >= k:
-            return True
-        time.sleep(0.02)
-    return False
 
 
 @pytest.fixture(scope="module")
@@ -68,19 +52,7 @@ def test_resume_after_sigkill_of_the_whole_job(tmp_path, prompts_file, reference
     out = tmp_path / "out.jsonl"
     tag = f"resume{os.getpid()}"
     args = ["-m", "spmd_engine.run", "--prompts-file", prompts_file, *FLAGS, "--output", out, "--quiet"]
-    job = subprocess.Popen([sys.executable, *map(str, args)], cwd=REPO, env=base_env(tag),
-                           start_new_session=True, stderr=subprocess.PIPE, text=True)
-    try:
-        assert wait_for_records(out, 2), "no record streamed to a part file"
-        os.killpg(job.pid, signal.SIGKILL)  # the whole job, mid-run
-        job.wait(timeout=10)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
-    for pid in tagged_pids(tag):
-        os.kill(pid, signal.SIGKILL)
-    done_before = records_in_parts(out)
+    done_before = kill_after_records(args, out, 2, tag)
     assert 2 <= done_before < len(PROMPTS) and not out.exists()
 
     # Without --resume the parts are not silently overwritten or mixed in.

@@ -23,7 +23,7 @@ def test_txt_and_jsonl(tmp_path):
 @pytest.mark.parametrize("content, needle", [
     ('{"prompt": "ok"}\n{"prompt": \n', "p.jsonl:2: malformed JSON"),
     ('[1, 2]\n', 'p.jsonl:1: expected an object'),
-    ('{"text": "x"}\n', 'p.jsonl:1: expected "prompt" or "prompt_token_ids"'),
+    ('{"text": "x"}\n', 'p.jsonl:1: expected "prompt", "prompt_token_ids" or "messages"'),
     ('{"prompt_token_ids": [1, -2]}\n', 'p.jsonl:1: "prompt_token_ids" must be'),
     ('\n\n', "holds no prompt"),
 ])

@@ -1,0 +1,3 @@
+from spmd_engine.run_batch.main import entry
+
+entry()
