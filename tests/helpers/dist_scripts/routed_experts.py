@@ -3,13 +3,15 @@ the prefix cache of the first (each first-round sequence, prompt + output, resub
 prompt, and the last prompt again). Writes every output's prompt, tokens and routed experts.
 
     python routed_experts.py MODEL_DIR PROMPTS_JSON OUT_JSON LAYOUT_JSON
+    torchrun --nproc-per-node N routed_experts.py ...   (each rank writes OUT_JSON.rank<RANK>)
 
-`rounds` is also called in-process by tests/integration/model/test_routed_experts.py (uni).
+`rounds` is also called in-process by tests/integration/model/test_routing_replay.py (uni).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from spmd_engine import LLM, SamplingParams
@@ -34,4 +36,6 @@ if __name__ == "__main__":
     model, prompts_file, out_file, layout = sys.argv[1:5]
     with LLM(model=model, enable_return_routed_experts=True, **json.loads(layout)) as llm:
         result = rounds(llm, json.load(open(prompts_file)))
+    if "RANK" in os.environ:  # external_launcher: every rank has its replica's outputs
+        out_file += f".rank{os.environ['RANK']}"
     json.dump(result, open(out_file, "w"))

@@ -7,7 +7,8 @@ rollouts (tests/helpers/dist_scripts/routed_experts.py): the second resubmits ea
 sequence as a prompt, so its cached prefix (prompt and decode blocks) was computed by another
 request and its rows come from the routing kept with the KV cache. Layouts: uni (also with a
 KV cache small enough to preempt), mp TP 2 x PP 2 + EP (the earlier stage's layers forwarded
-with the hidden states) and mp DP 2 + EP (engine cores in their own processes).
+with the hidden states), mp DP 2 + EP (engine cores in their own processes) and torchrun TP 2
++ EP in a world of 4 (two external-DP replicas, every rank's outputs).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 from dist_scripts.routed_experts import rounds
-from launch import REPO, run_ranks_with_env
+from launch import REPO, run_ranks_with_env, run_torchrun
 from make_random_checkpoint import make_random_checkpoint
 from test_hf_reference import hf_model, prompts_for
 from test_moe import CONFIGS
@@ -122,28 +123,34 @@ def test_off_by_default_and_bad_values(checkpoints):
         LLM(enable_return_routed_experts=True)  # the bundled model is dense
 
 
-# ---- real processes: mp TP 2 x PP 2 + EP, mp DP 2 + EP ------------------------------------------------
+# ---- real processes: mp TP 2 x PP 2 + EP, mp DP 2 + EP, torchrun TP 2 + EP x external DP 2 -----------
 
 LAUNCHES = {
-    "qwen3moe-mp-tp2-pp2-ep": ("qwen3moe", dict(tensor_parallel_size=2, pipeline_parallel_size=2,
-                                                 enable_expert_parallel=True)),
-    "mixtral-mp-dp2-ep": ("mixtral", dict(data_parallel_size=2, enable_expert_parallel=True)),
+    "qwen3moe-mp-tp2-pp2-ep": ("qwen3moe", 1, dict(tensor_parallel_size=2, pipeline_parallel_size=2,
+                                                    enable_expert_parallel=True, distributed_executor_backend="mp")),
+    "mixtral-mp-dp2-ep": ("mixtral", 1, dict(data_parallel_size=2, enable_expert_parallel=True,
+                                             distributed_executor_backend="mp")),
+    # a world of 4 for a model of 2 ranks: two external-DP replicas, each rank with its outputs
+    "qwen3moe-torchrun-tp2-ep-x2": ("qwen3moe", 4, dict(tensor_parallel_size=2, enable_expert_parallel=True,
+                                                          distributed_executor_backend="external_launcher")),
 }
 
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("launch", LAUNCHES)
 def test_layouts_equal_transformers(checkpoints, tmp_path, launch):
-    model, layout = LAUNCHES[launch]
+    model, ranks, layout = LAUNCHES[launch]
     path = checkpoints[model]
     (tmp_path / "prompts.json").write_text(json.dumps(prompts_for(CONFIGS[MODELS[model]]["vocab_size"])))
-    script = REPO / "tests" / "helpers" / "dist_scripts" / "routed_experts.py"
-    run = run_ranks_with_env(1, [script, path, tmp_path / "prompts.json", tmp_path / "out.json",
-                                 json.dumps(dict(layout, block_size=BLOCK, distributed_executor_backend="mp"))],
-                             [{}], timeout=180)
+    args = [REPO / "tests" / "helpers" / "dist_scripts" / "routed_experts.py", path, tmp_path / "prompts.json",
+            tmp_path / "out.json", json.dumps(dict(layout, block_size=BLOCK))]
+    run = run_torchrun(ranks, args, timeout=180) if ranks > 1 else run_ranks_with_env(1, args, [{}], timeout=180)
     assert run.returncode == 0 and not run.timed_out, run.describe()
     assert not run.leftover_pids and not run.stale_segments(), run.describe()
-    result = json.loads((tmp_path / "out.json").read_text())
+    outs = [tmp_path / "out.json"] if ranks == 1 else [tmp_path / f"out.json.rank{r}" for r in range(ranks)]
+    results = [json.loads(out.read_text()) for out in outs]
+    assert all(r["records"] == results[0]["records"] for r in results)  # every rank, every replica
+    result = results[0]
     assert result["prefix_hits_tokens"] > 0
     two_sparse_layers(result)
     problems = check_against_hf(path, result)
