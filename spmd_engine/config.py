@@ -175,6 +175,8 @@ class ModelConfig:
     pp_partition: str | None = None  # e.g. "3,3,2"; else SPMD_ENGINE_PP_PARTITION or vLLM's split
     load_format: str = "auto"  # "dummy": random weights, the checkpoint's tensors are never read
     logprobs_mode: str = "raw_logprobs"  # vLLM's four: what logprobs and prompt_logprobs hold
+    # MoE routing replay: every computed position's experts come back on CompletionOutput.routed_experts
+    enable_return_routed_experts: bool = False
 
     @property
     def model_dir(self) -> str:
@@ -190,6 +192,9 @@ class ModelConfig:
             raise ConfigError(f"load_format {self.load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ConfigError(f"logprobs_mode {self.logprobs_mode!r} is not one of {', '.join(LOGPROBS_MODES)}")
+        if not isinstance(self.enable_return_routed_experts, bool):
+            raise ConfigError(f"enable_return_routed_experts must be True or False, "
+                              f"got {self.enable_return_routed_experts!r}")
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")

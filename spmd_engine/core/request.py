@@ -8,6 +8,7 @@ from the engine).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from spmd_engine.core.step_messages import (  # noqa: F401  (re-exported)
     EMPTY_MODEL_RUNNER_OUTPUT,
@@ -37,6 +38,8 @@ class Request:
     prompt_logprobs: list[dict[int, tuple[float, int]]] | None = None  # prompt tokens 1..P-1
     sampling_masks: list | None = None  # per output token, the ids it could have been drawn from
     num_preemptions: int = 0
+    # Routing replay: (first position, rows) as steps computed them (core/routed_experts.py).
+    routed_experts: list[tuple[int, Any]] | None = field(default=None, repr=False)
     # Chain hashes of this request's full blocks, computed once each (prefix caching).
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
 

@@ -175,6 +175,8 @@ class Scheduler:
             known = {r.request_id: r for r in (*self.running, *self.waiting)}
             for rid, entries in model_output.prompt_logprobs.items():
                 known[rid].prompt_logprobs = (known[rid].prompt_logprobs or []) + entries
+        if model_output.routed_experts:
+            self._record_routed_experts(model_output.routed_experts)
         finished = []
         for i, (rid, token) in enumerate(zip(model_output.request_ids, model_output.sampled_token_ids)):
             request, epoch = by_id.get(rid), self._awaiting.pop((out.step, rid))
@@ -193,6 +195,17 @@ class Scheduler:
         for request in finished:
             self.finish_request(request)
         return finished
+
+    def _record_routed_experts(self, routed: dict) -> None:
+        """Kept even if preempted in flight (as prompt logprobs): the rows are of known tokens at
+        known positions, and a recomputation overwrites them."""
+        known = {r.request_id: r for r in (*self.running, *self.waiting)}
+        for rid, chunk in routed.items():
+            request = known.get(rid)
+            if request is not None:
+                if request.routed_experts is None:
+                    request.routed_experts = []
+                request.routed_experts.append(chunk)
 
     def finish_request(self, request: Request) -> None:
         """Take a running request out (its finish_reason already set): free its blocks, and

@@ -11,6 +11,7 @@ so they stay small. A request's sampling settings and prompt length travel once
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from spmd_engine.sampling_params import SamplingParams
 
@@ -70,13 +71,16 @@ class ModelRunnerOutput:
     `prompt_logprobs`: per request that asked, the entries of the prompt tokens computed this
     step ({token id: (logprob, rank)} each, in prompt order, the first prompt token excluded).
     `sampling_masks`: per sampled row, the ids it could have drawn (a sorted int32 array) for
-    requests with return_sampling_mask, else None."""
+    requests with return_sampling_mask, else None.
+    `routed_experts` (LLM(enable_return_routed_experts=True)): per request computed this step,
+    (first position, numpy int16 rows [positions, MoE layers, top_k]) (worker/routing_replay.py)."""
 
     request_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[dict[int, tuple[float, int]] | None] | None = None
     prompt_logprobs: dict[str, list[dict[int, tuple[float, int]]]] | None = None
     sampling_masks: list | None = None
+    routed_experts: dict[str, tuple[int, Any]] | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput([], [], None)

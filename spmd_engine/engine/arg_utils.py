@@ -56,6 +56,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     load_format: str = "auto"
     logprobs_mode: str = "raw_logprobs"
+    enable_return_routed_experts: bool = False
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
@@ -89,10 +90,12 @@ class EngineArgs:
             raise ConfigError("context parallelism (PCP/DCP > 1) is planned but not implemented in the "
                               "model yet; use spmd_engine.plan to inspect such layouts")
         model_config = ModelConfig(model=self.model, dtype=self.dtype, pp_partition=self.pp_partition,
-                                   load_format=self.load_format, logprobs_mode=self.logprobs_mode)
+                                   load_format=self.load_format, logprobs_mode=self.logprobs_mode,
+                                   enable_return_routed_experts=self.enable_return_routed_experts)
         inputs = InputProcessor(model_config.model_dir, self.max_model_len)
         source = os.path.join(model_config.model_dir, "config.json")
         spec = check_layout(inputs.hf_config, parallel, source)
+        check_routed_experts(model_config, spec, source)
         partition = self.pp_partition or envs.pp_partition()
         if partition:
             parse_pp_partition(partition, spec.num_layers, parallel.pipeline_parallel_size)
@@ -136,6 +139,14 @@ def engine_seed(seed: int | None) -> int:
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ConfigError(f"seed must be an integer, got seed={seed!r}")
     return seed
+
+
+def check_routed_experts(model_config: ModelConfig, spec, source: str) -> None:
+    """Routing replay on a dense model would return nothing a trainer could replay: refused
+    up front rather than answered with None, which reads as "replayed" to a trainer."""
+    if model_config.enable_return_routed_experts and spec.moe is None:
+        raise ConfigError(f"enable_return_routed_experts=True needs a mixture-of-experts model; "
+                          f"{spec.architecture} ({source}) has no MoE layers")
 
 
 def default_device() -> str:

@@ -43,13 +43,15 @@ class LLM:
                  kv_cache_memory_bytes: int | None = None, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  load_format: str = "auto", enable_sleep_mode: bool = False,
-                 logprobs_mode: str = "raw_logprobs", **vllm_kwargs):
+                 logprobs_mode: str = "raw_logprobs", enable_return_routed_experts: bool = False,
+                 **vllm_kwargs):
         """vLLM's arguments and meanings. `seed` is the engine seed (None: 0, as in vLLM):
         requests without their own seed draw from a stream it starts, fresh on every generate
         call; under external_launcher it must be the same on every rank of a replica
         (checked). Other vLLM arguments are accepted and ignored, with one warning (see
         vllm_args). As in vLLM, None for a sizing argument (trainers pass None for what their
-        user left unset) means its default."""
+        user left unset) means its default. `enable_return_routed_experts` (MoE only): each
+        output's `routed_experts`, the experts every computed position was routed to (docs/moe.md)."""
         accept_vllm_kwargs(vllm_kwargs)
         engine_args = EngineArgs(
             model=model, tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
@@ -61,7 +63,8 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_memory_bytes,
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
             enable_chunked_prefill=enable_chunked_prefill, load_format=load_format,
-            logprobs_mode="raw_logprobs" if logprobs_mode is None else logprobs_mode)
+            logprobs_mode="raw_logprobs" if logprobs_mode is None else logprobs_mode,
+            enable_return_routed_experts=enable_return_routed_experts)
         self._start(engine_args.create_engine_config(), enable_sleep_mode)
 
     @classmethod
@@ -453,7 +456,8 @@ def _completion(index: int, request: Request, inputs) -> CompletionOutput:
         logprobs = [_logprob_dict(step, inputs, request.params.detokenize) for step in request.logprobs]
         cumulative = sum(step[token].logprob for step, token in zip(logprobs, request.output_token_ids))
     return CompletionOutput(index, text, list(request.output_token_ids), request.finish_reason, logprobs,
-                            cumulative, request.stop_reason, _sampling_mask(request))
+                            cumulative, request.stop_reason, _sampling_mask(request),
+                            routed_experts=_routed_experts(request))
 
 
 def _sampling_mask(request: Request) -> SamplingMask | None:
@@ -464,6 +468,14 @@ def _sampling_mask(request: Request) -> SamplingMask | None:
     for ids in masks:
         offsets.append(offsets[-1] + len(ids))
     return SamplingMask([int(t) for ids in masks for t in ids], offsets)
+
+
+def _routed_experts(request: Request):
+    """Every position the engine computed: the prompt and the generated tokens but the last."""
+    if request.routed_experts is None:
+        return None
+    from spmd_engine.core.routed_experts import join_chunks
+    return join_chunks(request.routed_experts, request.num_tokens - 1)
 
 
 def _has_prompts(prompts) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -42,6 +43,9 @@ class CompletionOutput:
     cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs (with logprobs)
     stop_reason: int | str | None = None  # the stop string or stop token id; None for the EOS or a length
     sampling_mask: SamplingMask | None = None  # SamplingParams(return_sampling_mask=True)
+    # LLM(enable_return_routed_experts=True): numpy int16 [len(prompt) + len(token_ids) - 1, MoE layers,
+    # top_k], the experts each computed position went to in each sparse layer (docs/moe.md).
+    routed_experts: Any = None
 
 
 @dataclass

@@ -41,7 +41,7 @@ IGNORED_VLLM_ARGS = frozenset("""
     data_parallel_size_local data_parallel_address data_parallel_rpc_port data_parallel_backend
     data_parallel_hybrid_lb data_parallel_external_lb pt_load_map_location use_tqdm_on_load
     safetensors_load_strategy attention_backend disable_hybrid_kv_cache_manager kv_sharing_fast_prefill
-    kv_offloading_size kv_offloading_backend enable_return_routed_experts max_num_logprobs
+    kv_offloading_size kv_offloading_backend max_num_logprobs
     prefix_caching_hash_algo disable_chunked_mm_input enable_mfu_metrics show_hidden_metrics_for_version
 """.split())
 

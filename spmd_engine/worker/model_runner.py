@@ -41,6 +41,8 @@ class ModelRunner:
         # (sampling request ids, (logits, output indices) on the last stage, prompt logprobs)
         self._pending: tuple[list[str], tuple | None, dict | None] | None = None
         self.stats = {"steps": 0, "tokens": 0, "prefill_tokens": 0, "sampled": 0, "dummy_steps": 0}
+        self.routing = None  # RoutingBuffer on the last stage with enable_return_routed_experts
+        self._pending_routing: dict | None = None
 
     # -- start-up ---------------------------------------------------------------
     def load_model(self) -> None:
@@ -53,6 +55,8 @@ class ModelRunner:
         if packing_applies(self.model.dtype, self.device):
             packed = pack_linear_weights(self.model, batch_hint=self.config.scheduler_config.max_num_seqs)
             logger.debug("%d linear weights packed for oneDNN", packed)
+        if mc.enable_return_routed_experts:
+            self.model.record_routing()
 
     def load_weights(self, weights) -> set[str]:
         """In-place update from (HF name, full tensor) pairs: `CausalLM.update_weights`."""
@@ -84,10 +88,17 @@ class ModelRunner:
         self.model.check_max_model_len(self.config.scheduler_config.max_model_len)
         self.model.allocate_kv_cache(num_blocks, self.block_size, zeros=_zeros)
         self.num_blocks = num_blocks
+        if self.config.model_config.enable_return_routed_experts and self.pp_group.is_last_rank:
+            from spmd_engine.worker.routing_replay import RoutingBuffer
+            spec = self.model.spec
+            moe_layers = sum(spec.is_moe_layer(i) for i in range(spec.num_layers))
+            self.routing = RoutingBuffer(num_blocks * self.block_size, moe_layers, spec.moe.top_k,
+                                         spec.moe.num_experts, self.block_size)
 
     def release_kv_cache(self) -> None:
         self.model.bind_kv_cache(None)
         self.num_blocks = 0
+        self.routing = None  # its rows belong to the KV blocks just dropped
 
     # -- sleep mode ------------------------------------------------------------------
     def sleep(self, level: int) -> None:
@@ -148,6 +159,9 @@ class ModelRunner:
         outputs_at = [s.context_len + len(s.token_ids) - self.prompt_lens[s.request_id]
                       for s in out.seqs if s.sample]
         self._pending = (sampling, (logits, outputs_at), self._prompt_logprobs(out, attn, hidden["hidden_states"]))
+        if self.routing is not None:
+            self._pending_routing = self.routing.record(out.seqs, attn.row_start, attn.slot_mapping,
+                                                        hidden["routed_experts"], self.block_tables)
         return None
 
     def _prompt_logprobs(self, out: SchedulerOutput, attn, hidden: torch.Tensor) -> dict | None:
@@ -235,6 +249,7 @@ class ModelRunner:
             sampled = self.sampler.sample(request_ids, *logits) if request_ids else SamplerOutput([])
             result = ModelRunnerOutput(request_ids, sampled.token_ids, sampled.logprobs, prompt_logprobs,
                                        sampled.sampling_masks)
+            result.routed_experts, self._pending_routing = self._pending_routing, None
         if self.broadcast_sampled_tokens and self.pp_group.world_size > 1:
             result = self.pp_group.broadcast_object(result, src=self.pp_group.world_size - 1)
         return result

@@ -116,7 +116,8 @@ class CausalLM(CausalLMWeights, nn.Module):
     stage embeds `input_ids`, later stages continue from `intermediate`; a
     non-last stage returns {"hidden_states", "residual"} for the next stage,
     the last returns {"hidden_states"} after the final norm, which
-    `compute_logits` turns into full-vocabulary float32 logits.
+    `compute_logits` turns into full-vocabulary float32 logits. With `record_routing()` both
+    also carry "routed_experts", the sparse layers' expert ids so far (routing replay).
 
     MoE layers shard their experts over `moe_group` (default: the TP group):
     by width, or whole experts with `expert_parallel` (then `moe_group` is the
@@ -208,16 +209,41 @@ class CausalLM(CausalLMWeights, nn.Module):
         rope = self.model.rotary_emb.cos_sin(positions, hidden.dtype)
         for layer in self.model.layers.values():
             hidden, residual = layer(rope, hidden, residual, attn)
+        out = {} if not self.routing_recorded else {"routed_experts": self._routed_experts(intermediate, hidden)}
         if not self.is_last_stage:
-            return {"hidden_states": hidden, "residual": residual}
+            return {"hidden_states": hidden, "residual": residual, **out}
         hidden, _ = self.model.norm(hidden, residual)
-        return {"hidden_states": hidden}
+        return {"hidden_states": hidden, **out}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] final hidden states -> [N, vocab_size] float32, identical on every TP rank."""
         if self.lm_head is None:
             raise RuntimeError("compute_logits runs on the last pipeline stage only")
         return self.lm_head.compute_logits(hidden)
+
+    # ---- routing replay ----
+    routing_recorded = False
+
+    def record_routing(self, on: bool = True) -> None:
+        """From now on every forward also returns "routed_experts": [N, MoE layers so far, k]
+        int32 expert ids (global numbering, best first), the earlier stages' layers (from
+        `intermediate`) then this stage's, in layer order; the last stage holds them all."""
+        self.routing_recorded = on
+        for block in self._moe_blocks():
+            block.record_routing = on
+
+    def _moe_blocks(self) -> list[SparseMoeBlock]:
+        return [layer.mlp for layer in self.model.layers.values() if isinstance(layer.mlp, SparseMoeBlock)]
+
+    def _routed_experts(self, intermediate, hidden: torch.Tensor) -> torch.Tensor:
+        # int32 in transit: NCCL has no int16 for the PP hand-off.
+        parts = [block.routed_ids.to(torch.int32).unsqueeze(1) for block in self._moe_blocks()]
+        if intermediate is not None and "routed_experts" in intermediate:
+            parts.insert(0, intermediate["routed_experts"])
+        if not parts:  # a stage without a sparse layer (mlp_only_layers), and none before it
+            rows = hidden.reshape(-1, hidden.shape[-1]).shape[0]
+            return torch.empty(rows, 0, self.spec.moe.top_k, dtype=torch.int32, device=hidden.device)
+        return torch.cat(parts, dim=1)
 
     # ---- weights ----
     def tie_weights(self) -> None:

@@ -55,12 +55,18 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = SwiGLUMLP(spec.hidden_size, m.shared_expert_intermediate_size, tp_group,
                                            dtype=dtype)
             self.shared_expert_gate = ReplicatedLinear(spec.hidden_size, 1, dtype=dtype)
+        # Routing replay (CausalLM.record_routing): the last forward's expert ids [T, k], global
+        # numbering, best first; kept only when asked, so a normal step holds nothing extra.
+        self.record_routing = False
+        self.routed_ids: torch.Tensor | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         lead = hidden.shape[:-1]
         x = hidden.reshape(-1, hidden.shape[-1])
         weights, ids = route(self.gate(x), self.moe.top_k, self.moe.renormalize,
                              self.moe.weights_in_activation_dtype)
+        if self.record_routing:
+            self.routed_ids = ids
         out = self.experts(x, weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
