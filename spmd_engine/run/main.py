@@ -15,7 +15,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from spmd_engine.config import DEFAULT_MAX_NUM_SEQS, DTYPES, ConfigError
+from spmd_engine.config import DEFAULT_MAX_NUM_SEQS, DTYPES, LOGPROBS_MODES, ConfigError
 from spmd_engine.distributed.launch_env import launched_rank
 from spmd_engine.run.cli_args import (
     EXIT_USAGE,
@@ -68,6 +68,8 @@ def add_job_args(p: UsageParser) -> None:
     p.add_argument("--dtype", choices=DTYPES, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
+    p.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default="raw_logprobs",
+                   help="what logprobs hold (vLLM's modes): raw or processed, logprobs or logits")
     add_cache_args(p)
     p.add_argument("--pp-partition", default=None, metavar="3,3,2",
                    help="layers per PP stage (default: vLLM's even split)")

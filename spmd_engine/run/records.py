@@ -22,7 +22,7 @@ from spmd_engine.sampling_params import SamplingParams
 
 # Flags that change what a `run` record holds; layout and timing flags do not.
 RUN_OUTPUT_FLAGS = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "dtype",
-                    "max_model_len", "pp_partition")
+                    "max_model_len", "pp_partition", "logprobs_mode")
 
 
 def result_record(index: int, prompt: PromptInput, out) -> dict:

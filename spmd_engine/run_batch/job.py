@@ -16,7 +16,8 @@ from spmd_engine.config import ConfigError
 from spmd_engine.run_batch.requests import BadRequest, BatchRequest, completion_prompt, sampling_params
 from spmd_engine.run_batch.responses import error_line, result_line
 
-BATCH_OUTPUT_FLAGS = ("model", "seed", "dtype", "max_model_len", "pp_partition", "served_model_name")
+BATCH_OUTPUT_FLAGS = ("model", "seed", "dtype", "max_model_len", "pp_partition", "served_model_name",
+                      "logprobs_mode")
 
 
 class BatchJob:

@@ -196,3 +196,21 @@ def test_usage_error_line_survives_a_slow_rank0(tmp_path):
     assert not launch.timed_out and launch.returncode == 1, launch.describe()
     assert "error: world size 3 is not a multiple of TP x PP x PCP x DP = 2x1x1x1 = 2" in launch.stderr
     assert "(exitcode: 2) local_rank: 0" in launch.stderr and not launch.leftover_pids
+
+
+@pytest.mark.timeout(120)
+def test_logprobs_mode_reaches_the_output_file(tmp_path):
+    """--logprobs-mode raw_logits writes the logits (the bundled model's top one is far above 0),
+    the default writes logprobs (all <= 0), for the same tokens."""
+    records = {}
+    for mode in ("raw_logprobs", "raw_logits"):
+        out = tmp_path / f"{mode}.jsonl"
+        proc = run_cli("--prompt", "Beautiful is", "--max-tokens", "4", "--logprobs", "2",
+                       "--logprobs-mode", mode, "--output", str(out), "--quiet")
+        assert proc.returncode == 0, proc.stderr
+        records[mode] = read_jsonl(out)[0]
+    assert records["raw_logprobs"]["token_ids"] == records["raw_logits"]["token_ids"]
+    values = {mode: [v for step in r["logprobs"] for v in step.values()] for mode, r in records.items()}
+    assert all(v <= 0 for v in values["raw_logprobs"]) and max(values["raw_logits"]) > 1
+    bad = run_cli("--prompt", "x", "--logprobs-mode", "processed")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--logprobs-mode" in bad.stderr
