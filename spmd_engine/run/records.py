@@ -59,6 +59,9 @@ class PromptJob:
 
     def check(self, setup) -> None:
         inputs = setup.inputs
+        if self.params.logprobs is not None and self.params.logprobs > inputs.vocab_size:
+            raise ConfigError(f"--logprobs: {self.params.logprobs} is more than the vocabulary "
+                              f"({inputs.vocab_size} tokens)")
         self.prompts = render_conversations(self.prompts, setup.config.model_config.model_dir,
                                             inputs.tokenizer, self.chat_template)
         for index, prompt in enumerate(self.prompts):
