@@ -14,7 +14,6 @@ requests that had finished before, from every replica (`exc.finished`).
 
 from __future__ import annotations
 
-import datetime
 import logging
 import multiprocessing as mp
 import os
@@ -44,9 +43,8 @@ class DPEngineClient(EngineCoreClient):
         self.failed: str | None = None
         # Every replica's workers join one torch world (vLLM's layout), meeting at this store, on
         # a port the OS picks; it lives as long as the replicas do.
-        import torch.distributed as dist
-        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                    timeout=datetime.timedelta(seconds=config.timeout_s))
+        from spmd_engine.distributed.loopback_store import loopback_store
+        self._store = loopback_store(config.timeout_s)
         for dp_rank in range(dp_size):
             pc = replace(config.parallel_config, data_parallel_rank=dp_rank, data_parallel_rank_local=dp_rank,
                          distributed_executor_backend=config.parallel_config.distributed_executor_backend,

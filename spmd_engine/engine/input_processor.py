@@ -21,6 +21,8 @@ class InputProcessor:
         except ConfigError as exc:  # token-id prompts still work without one
             self.tokenizer, self._tokenizer_error = None, exc
         positions = int(self.hf_config.get("max_position_embeddings", DEFAULT_POSITIONS))
+        if max_model_len is not None and max_model_len < 1:
+            raise ConfigError(f"max_model_len must be at least 1, got {max_model_len}")
         if max_model_len is not None and max_model_len > positions:
             raise ConfigError(f"max_model_len ({max_model_len}) exceeds the model's "
                               f"max_position_embeddings ({positions})")

@@ -11,7 +11,6 @@ failed."), as vLLM's MultiprocExecutor does.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -33,7 +32,7 @@ logger = logging.getLogger("spmd_engine")
 
 class MultiprocExecutor(Executor):
     def _init_executor(self) -> None:
-        import torch.distributed as dist
+        from spmd_engine.distributed.loopback_store import loopback_store
         pc = self.parallel_config
         tp, pp, pcp = pc.tensor_parallel_size, pc.pipeline_parallel_size, pc.prefill_context_parallel_size
         self.world_size = pc.world_size
@@ -53,8 +52,7 @@ class MultiprocExecutor(Executor):
         self._store = None
         init_method = None
         if not pc.spans_dp_world:
-            self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                        timeout=datetime.timedelta(seconds=timeout))
+            self._store = loopback_store(timeout)
             init_method = f"tcp://127.0.0.1:{self._store.port}"
         dp_rank = pc.data_parallel_rank
         try:

@@ -55,6 +55,12 @@ class ModelSpec:
                 raise ConfigError(f"{source}: '{key}' must be a positive integer, got {value!r}")
             return value
 
+        def positive(key: str, default: float) -> float:
+            value = cfg.get(key, default)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ConfigError(f"{source}: '{key}' must be a positive number, got {value!r}")
+            return value
+
         hidden, heads = need("hidden_size"), need("num_attention_heads")
         kv_heads = cfg.get("num_key_value_heads") or heads
         head_dim = cfg.get("head_dim") or hidden // heads
@@ -87,10 +93,10 @@ class ModelSpec:
             num_heads=heads,
             num_kv_heads=int(kv_heads),
             head_dim=int(head_dim),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(positive("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            max_position_embeddings=int(positive("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             o_bias=all_bias,

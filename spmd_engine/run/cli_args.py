@@ -16,8 +16,32 @@ from spmd_engine.config import BACKENDS, CacheConfig, ConfigError, ParallelConfi
 EXIT_USAGE = 2
 
 
+MAX_INT_FLAG = 2 ** 53  # beyond it no count, size or seed means anything, and torch's int64 math overflows
+
+
+def bounded_int(text: str) -> int:
+    """An int flag's value, refused past MAX_INT_FLAG (a typo, never a real size)."""
+    value = int(text)
+    if abs(value) > MAX_INT_FLAG:
+        raise argparse.ArgumentTypeError(f"{text} is out of range (at most 2**53 in size)")
+    return value
+
+
+def seconds(text: str) -> float:
+    """A time limit: a finite number of seconds > 0 (and below a year: timedelta's range)."""
+    value = float(text)
+    if not 0 < value <= 365 * 86400:
+        raise argparse.ArgumentTypeError(f"{text} is not a time limit (seconds, > 0, at most a year)")
+    return value
+
+
 class UsageParser(argparse.ArgumentParser):
-    """ArgumentParser whose errors are one line and exit 2, on every rank."""
+    """ArgumentParser whose errors are one line and exit 2, on every rank. Every int flag is
+    a bounded_int."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register("type", int, bounded_int)  # argument groups share this registry
 
     def error(self, message: str) -> NoReturn:
         print(f"error: {message}", file=sys.stderr)

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from typing import TYPE_CHECKING
 
 from spmd_engine import topology
 from spmd_engine.config import ConfigError
+from spmd_engine.run.gather import gather_records
 from spmd_engine.run.output_parts import PartWriter, index_parts, job_identity, merge_parts, restarted
 from spmd_engine.run.progress import Progress, progress_wanted
 from spmd_engine.run.records import generate_records
@@ -128,30 +128,6 @@ def run_launched(args, setup, job, todo: list[int], ident: dict | None) -> list[
         return None
     finally:
         llm.shutdown()
-
-
-def gather_records(records: list[dict], rank: int, is_replica_head: bool, heads: list[int]) -> list[dict] | None:
-    """Every replica head's records to global rank 0, through the launcher's store.
-
-    Not a collective: a collective runs under the hang timeout, and replicas that
-    finish more than --timeout apart are merely uneven, not hung. Rank 0 polls the
-    store with no deadline; a replica that died instead still ends the job (torchrun
-    and srun --kill-on-bad-exit stop every rank when one fails).
-    """
-    import pickle
-
-    from torch.distributed.distributed_c10d import _get_default_store
-    store = _get_default_store()
-    key = "spmd_engine/results/{}".format
-    if is_replica_head:
-        store.set(key(rank), pickle.dumps(records))
-    if rank != 0:
-        return None
-    keys = [key(r) for r in heads]
-    while not store.check(keys):
-        time.sleep(0.1)
-    merged = [r for k in keys for r in pickle.loads(store.get(k))]
-    return sorted(merged, key=lambda r: r["index"])
 
 
 def run_local(args, setup, job, todo: list[int], ident: dict | None) -> list[dict] | None:

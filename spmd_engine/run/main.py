@@ -23,6 +23,7 @@ from spmd_engine.run.cli_args import (
     add_cache_args,
     add_parallel_args,
     check_cache_args,
+    seconds,
 )
 from spmd_engine.run.jobs import check_launched_world, prompts_to_do, run_launched, run_local
 from spmd_engine.run.prompts import load_prompts, read_chat_template
@@ -75,7 +76,7 @@ def add_job_args(p: UsageParser) -> None:
                    help="layers per PP stage (default: vLLM's even split)")
     p.add_argument("--resume", action="store_true",
                    help="continue an interrupted output file: skip inputs its part files already hold")
-    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+    p.add_argument("--timeout", type=seconds, default=None, metavar="SECONDS",
                    help="limit for every collective and worker call (default: SPMD_ENGINE_TIMEOUT_S or 300)")
     p.add_argument("--quiet", action="store_true", help="no logs or progress")
 

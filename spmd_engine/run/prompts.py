@@ -7,7 +7,7 @@ should not cost a cluster allocation to find.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from spmd_engine.config import ConfigError
 
@@ -21,6 +21,7 @@ class PromptInput:
     text: str | None = None
     token_ids: tuple[int, ...] | None = None
     messages: list[dict] | None = None
+    where: str | None = field(default=None, compare=False)  # "FILE:LINE", for errors found later
 
     def as_llm_input(self):
         if self.text is not None and self.token_ids is not None:
@@ -31,20 +32,31 @@ class PromptInput:
 def load_prompts(cli_prompts: list[str], path: str | None) -> list[PromptInput]:
     if path is None:
         return [PromptInput(text=p) for p in (cli_prompts or [DEFAULT_PROMPT])]
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except FileNotFoundError:
-        raise ConfigError(f"--prompts-file {path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"--prompts-file {path}: cannot read: {exc}") from None
+    lines = _read_lines(path)
     if path.endswith(".jsonl"):
         prompts = [_jsonl_prompt(path, n, line) for n, line in enumerate(lines, 1) if line.strip()]
     else:
-        prompts = [PromptInput(text=line) for line in lines if line.strip()]
+        prompts = [PromptInput(text=line, where=f"{path}:{n}") for n, line in enumerate(lines, 1) if line.strip()]
     if not prompts:
         raise ConfigError(f"--prompts-file {path} holds no prompt")
     return prompts
+
+
+def _read_lines(path: str) -> list[str]:
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise ConfigError(f"--prompts-file {path}: no such file") from None
+    except OSError as exc:
+        raise ConfigError(f"--prompts-file {path}: cannot read: {exc}") from None
+    try:
+        return data.decode("utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise ConfigError(f"--prompts-file {path}:{line}: not UTF-8 (byte 0x{data[exc.start]:02x} at "
+                          f"column {column})") from None
 
 
 def _jsonl_prompt(path: str, lineno: int, line: str) -> PromptInput:
@@ -58,19 +70,19 @@ def _jsonl_prompt(path: str, lineno: int, line: str) -> PromptInput:
     if "messages" in obj:
         from spmd_engine.engine.chat_template import normalize_messages
         try:
-            return PromptInput(messages=normalize_messages(obj["messages"]))
+            return PromptInput(messages=normalize_messages(obj["messages"]), where=where)
         except ConfigError as exc:
             raise ConfigError(f"{where}: {exc}") from None
     if "prompt" in obj:
         if not isinstance(obj["prompt"], str) or not obj["prompt"]:
             raise ConfigError(f'{where}: "prompt" must be a non-empty string')
-        return PromptInput(text=obj["prompt"])
+        return PromptInput(text=obj["prompt"], where=where)
     if "prompt_token_ids" in obj:
         ids = obj["prompt_token_ids"]
         if (not isinstance(ids, list) or not ids
                 or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
             raise ConfigError(f'{where}: "prompt_token_ids" must be a non-empty list of non-negative integers')
-        return PromptInput(token_ids=tuple(ids))
+        return PromptInput(token_ids=tuple(ids), where=where)
     raise ConfigError(f'{where}: expected "prompt", "prompt_token_ids" or "messages"')
 
 
@@ -101,7 +113,7 @@ def render_conversations(prompts: list[PromptInput], model_dir: str, tokenizer,
             try:
                 d = chat_prompt(tokenizer, model_dir, p.messages, template)
             except ConfigError as exc:
-                raise ConfigError(f"prompt {index}: {exc}") from None
-            p = PromptInput(text=d["prompt"], token_ids=tuple(d["prompt_token_ids"]))
+                raise ConfigError(f"{p.where or f'prompt {index}'}: {exc}") from None
+            p = PromptInput(text=d["prompt"], token_ids=tuple(d["prompt_token_ids"]), where=p.where)
         rendered.append(p)
     return rendered

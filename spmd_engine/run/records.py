@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from spmd_engine.config import ConfigError
 from spmd_engine.run.progress import Progress
 from spmd_engine.run.prompts import PromptInput, render_conversations
 from spmd_engine.sampling_params import SamplingParams
@@ -58,10 +59,16 @@ class PromptJob:
 
     def check(self, setup) -> None:
         inputs = setup.inputs
+        if self.params.logprobs is not None and self.params.logprobs > inputs.vocab_size:
+            raise ConfigError(f"--logprobs: {self.params.logprobs} is more than the vocabulary "
+                              f"({inputs.vocab_size} tokens)")
         self.prompts = render_conversations(self.prompts, setup.config.model_config.model_dir,
                                             inputs.tokenizer, self.chat_template)
         for index, prompt in enumerate(self.prompts):
-            inputs.encode(prompt.as_llm_input(), index)
+            try:
+                inputs.encode(prompt.as_llm_input(), index)
+            except ConfigError as exc:  # name the file and line, not only the index
+                raise ConfigError(f"{prompt.where}: {exc}" if prompt.where else str(exc)) from None
 
     def ready_record(self, index: int) -> None:
         return None
