@@ -124,6 +124,7 @@ class LLMEngine:
             progressed = self._client.step()
         except EngineDeadError as exc:
             exc.outputs = aborted + self.outputs.process(exc.finished)
+            self.outputs.drop_unfinished()
             raise
         return aborted + self.outputs.process(progressed)
 

@@ -82,6 +82,11 @@ class OutputProcessor:
     def engine_ids(self, request_ids) -> list[str]:
         return [r.request_id for rid in request_ids if rid in self.states for r in self.states[rid].samples]
 
+    def drop_unfinished(self) -> None:
+        """The engine died: its requests will never finish (the next call reports the death)."""
+        self.states.clear()
+        self._by_engine_id.clear()
+
     @property
     def num_unfinished(self) -> int:
         return len(self.states)
