@@ -395,15 +395,16 @@ def worst_decode_gap(llm, long_prompt: int, decodes: int = 7) -> tuple[float, in
     """Seconds between consecutive tokens of `decodes` running requests, worst case, over the
     steps from the long prompt's arrival to its first token; and the steps that took."""
     from spmd_engine import SamplingParams
-    engine = llm.llm_engine
-    short = [r for (r,) in llm._make_requests(prompts_for(decodes, 32, LLAMA_SHAPE["vocab_size"]),
-                                              SamplingParams(max_tokens=4096, ignore_eos=True))]
+    from spmd_engine.core.request import Request
+    engine = llm.llm_engine.engine_core  # the EngineCore: its requests' tokens are read as they grow
+    short = [Request(f"short{i}", ids, SamplingParams(max_tokens=4096, ignore_eos=True), seed=i)
+             for i, ids in enumerate(prompts_for(decodes, 32, LLAMA_SHAPE["vocab_size"]))]
     for r in short:
         engine.add_request(r)
     for _ in range(4):  # every short request is decoding
         engine.step()
-    ((long,),) = llm._make_requests([prompts_for(1, long_prompt, LLAMA_SHAPE["vocab_size"])[0]],
-                                    SamplingParams(max_tokens=1, ignore_eos=True))
+    long = Request("long", prompts_for(1, long_prompt, LLAMA_SHAPE["vocab_size"])[0],
+                   SamplingParams(max_tokens=1, ignore_eos=True), seed=0)
     engine.add_request(long)
     last = {r.request_id: (time.perf_counter(), len(r.output_token_ids)) for r in short}
     worst, steps = 0.0, 0
@@ -789,7 +790,7 @@ def fig_wave(args) -> None:
     prompts = prompts_for(batch, plen, QWEN3_MOE_SHAPE["vocab_size"])
     llm = LLM(model=str(path), dtype="float32", max_model_len=plen + new + 8, max_num_seqs=batch,
               distributed_executor_backend="uni", enable_prefix_caching=False)
-    executor = llm.llm_engine.executor
+    executor = llm.llm_engine.model_executor
 
     def run(tokens: int) -> float:
         t = time.perf_counter()

@@ -4,16 +4,16 @@
 plan CLI) stays free of torch until a model is actually needed.
 """
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "SamplingMask"]
+__all__ = ["LLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "Logprob", "SamplingMask"]
 
 
 def __getattr__(name):
     if name == "LLM":
         from spmd_engine.engine.llm import LLM
         return LLM
-    if name == "SamplingParams":
-        from spmd_engine.sampling_params import SamplingParams
-        return SamplingParams
+    if name in ("SamplingParams", "RequestOutputKind"):
+        from spmd_engine import sampling_params
+        return getattr(sampling_params, name)
     if name in ("RequestOutput", "CompletionOutput", "Logprob", "SamplingMask"):
         from spmd_engine.engine import outputs
         return getattr(outputs, name)

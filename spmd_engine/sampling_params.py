@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 
 from spmd_engine.config import ConfigError
+
+
+class RequestOutputKind(enum.Enum):
+    """What `LLMEngine.step()` returns for a running request (vLLM's): CUMULATIVE every token so
+    far at each step, DELTA only the tokens new since its last output, FINAL_ONLY one output when
+    it finishes (what `generate` asks for)."""
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -45,6 +55,9 @@ class SamplingParams:
     returns, per generated token, the ids the sampler could have chosen after
     min_p / top_k / top_p (`CompletionOutput.sampling_mask`): what a trainer
     needs to renormalise its own distribution over the same support.
+
+    `output_kind` (a RequestOutputKind) is what `llm.llm_engine.step()` returns for the
+    request as it runs; `generate` always returns final outputs.
     """
 
     max_tokens: int = 16
@@ -70,6 +83,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     bad_words: list[str] | None = None
     return_sampling_mask: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -102,6 +116,8 @@ class SamplingParams:
             raise ConfigError(f"n must be an integer >= 1 (samples per prompt), got n={self.n!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ConfigError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ConfigError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         self._check_stop()
         self._check_processors()
 

@@ -38,6 +38,14 @@ class Request:
     prompt_logprobs: list[dict[int, tuple[float, int]]] | None = None  # prompt tokens 1..P-1
     sampling_masks: list | None = None  # per output token, the ids it could have been drawn from
     num_preemptions: int = 0
+    # Prompt tokens found in the prefix cache when first scheduled (vLLM's num_cached_tokens); -1 before.
+    num_cached_tokens: int = -1
+    # time.time() stamps for metrics only (nothing decides by them; the scheduler reads no clock):
+    # the front end's arrival, the core's first schedule and first and last new token.
+    arrival_time: float | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
     # Routing replay: (first position, rows) as steps computed them (core/routed_experts.py).
     routed_experts: list[tuple[int, Any]] | None = field(default=None, repr=False)
     # Chain hashes of this request's full blocks, computed once each (prefix caching).

@@ -129,6 +129,8 @@ class Scheduler:
             self.stats["prefix_queries_tokens"] += request.num_tokens
             self.stats["prefix_hits_tokens"] += computed
             request.num_computed_tokens = computed
+            if request.num_cached_tokens < 0:  # the first admission's hits (vLLM's field)
+                request.num_cached_tokens = computed
             if request.request_id not in self._known_to_runner:
                 self._known_to_runner.add(request.request_id)
                 new.append(self._new_request_data(request))
@@ -174,7 +176,8 @@ class Scheduler:
         if model_output.prompt_logprobs:  # kept even if preempted in flight: the runner moved on
             known = {r.request_id: r for r in (*self.running, *self.waiting)}
             for rid, entries in model_output.prompt_logprobs.items():
-                known[rid].prompt_logprobs = (known[rid].prompt_logprobs or []) + entries
+                if rid in known:  # not aborted while this step was in flight
+                    known[rid].prompt_logprobs = (known[rid].prompt_logprobs or []) + entries
         if model_output.routed_experts:
             self._record_routed_experts(model_output.routed_experts)
         finished = []
@@ -214,6 +217,32 @@ class Scheduler:
         self.kv.free(request)
         self._known_to_runner.discard(request.request_id)
         self._finished_since_last_step.append(request.request_id)
+
+    def abort_requests(self, request_ids: Sequence[str]) -> list[Request]:
+        """Finish these unfinished requests with finish_reason "abort", keeping their tokens so
+        far; their blocks are freed now. Ids not unfinished here are skipped (vLLM's no-op)."""
+        wanted = set(request_ids)
+        aborted = [r for r in (*self.running, *self.waiting) if r.request_id in wanted]
+        for request in aborted:
+            request.finish_reason = "abort"
+            if request in self.running:
+                self.finish_request(request)
+                continue
+            self.waiting.remove(request)  # waiting requests hold no blocks
+            if request.request_id in self._known_to_runner:  # preempted: the runner still keeps it
+                self._known_to_runner.discard(request.request_id)
+                self._finished_since_last_step.append(request.request_id)
+        return aborted
+
+    def reset_running_requests(self) -> int:
+        """Every running request gives its blocks back and goes to the front of the queue,
+        in its order, keeping its tokens: its KV is recomputed when next scheduled (after a
+        weight update the old KV is stale). Counted as preemptions. Returns how many."""
+        victims = list(self.running)
+        self.running.clear()
+        for request in reversed(victims):
+            self._preempt(request)
+        return len(victims)
 
     def _finish_reason(self, request: Request, token: int) -> str | None:
         p = request.params

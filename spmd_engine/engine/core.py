@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import time
 from collections import deque
-from typing import Iterator
 
 from spmd_engine.config import EngineConfig
 from spmd_engine.core.kv_cache_manager import KVCacheManager
 from spmd_engine.core.request import Request
 from spmd_engine.core.scheduler import Scheduler
 from spmd_engine.engine.core_client import EngineDeadError, FinishedCallback
+from spmd_engine.engine.metrics import LatencyHistogram
 from spmd_engine.engine.stop_strings import StopStringWatcher
 from spmd_engine.executor.abstract import Executor
 from spmd_engine.worker import kv_sizing
@@ -38,6 +40,9 @@ class EngineCore:
         self.stop_strings = StopStringWatcher(config.model_config.model_dir)
         self.dp_waves = config.dp_waves and config.parallel_config.data_parallel_size > 1
         self.wave_stats = {"waves": 0, "wave_steps": 0, "dummy_steps": 0}
+        self._in_wave = False
+        self._inter_token = LatencyHistogram()
+        self.last_step_digest = ""  # of the last step applied: ranks of a replica compare theirs
         self._batch_queue: deque = deque()  # (SchedulerOutput, its result) of steps in flight
         self._peak_in_flight = 0
 
@@ -55,14 +60,44 @@ class EngineCore:
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
 
+    def abort_requests(self, request_ids: list[str]) -> list[Request]:
+        """Finish these requests now (finish_reason "abort", their tokens so far); unknown or
+        finished ids are skipped. Their blocks are free when this returns."""
+        aborted = self.scheduler.abort_requests(request_ids)
+        for request in aborted:
+            self.stop_strings.forget(request.request_id)
+        return aborted
+
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """This replica has requests to run. With DP waves (engine/dp_waves.py): whether any
+        replica has, agreed over the DP group, so every replica must call it together."""
+        if not self.dp_waves:
+            return self.scheduler.has_unfinished() or bool(self._batch_queue)
+        return self._wave_open()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.scheduler.running) + len(self.scheduler.waiting)
 
     def step(self) -> list[Request]:
-        """Schedule, run the model and sample (the executor's one step call), update."""
+        """One engine step: schedule, run the model and sample (the executor's one step call),
+        update. Returns the requests that made progress (a new token), the finished ones
+        with their finish_reason set. Nothing to run: no step, nothing returned.
+
+        With DP waves every replica steps together: the step first asks the DP group whether
+        any replica has work; a replica with none then runs a dummy forward instead."""
+        if self.dp_waves:
+            if not self._wave_open():
+                return []
+            self._in_wave = True
+            self.wave_stats["wave_steps"] += 1
+            if not self.scheduler.has_unfinished():
+                self._dummy_step()
+                return []
+        elif not self.has_unfinished_requests():
+            return []
         if self.executor.max_concurrent_batches > 1 and not self.dp_waves:
             return self._step_with_batch_queue()  # (a wave step is exactly one forward: no queue)
-        scheduler_output = self.scheduler.schedule()
+        scheduler_output = self._schedule()
         self._peak_in_flight = max(self._peak_in_flight, 1)
         try:
             model_output = self.executor.execute_model_async(scheduler_output)()  # sent, then read
@@ -70,19 +105,38 @@ class EngineCore:
             raise EngineDeadError(f"engine failed while running step {scheduler_output.step}: {exc}") from exc
         return self._update(scheduler_output, model_output)
 
+    def _schedule(self, **in_flight):
+        out = self.scheduler.schedule(**in_flight)
+        now = time.time()
+        for request in self.scheduler.running:
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+        return out
+
     def _update(self, scheduler_output, model_output) -> list[Request]:
         """The scheduler appends the tokens and finishes requests on EOS or length; then the
-        stop strings, which need the text."""
+        stop strings, which need the text. The requests that got a token, in step order."""
         running = {r.request_id: r for r in self.scheduler.running}
+        lengths = {rid: len(r.output_token_ids) for rid, r in running.items()}
         finished = self.scheduler.update_from_output(scheduler_output, model_output)
-        return finished + self._check_stop_strings(model_output.request_ids, running, finished)
+        self._check_stop_strings(model_output.request_ids, running, finished)
+        progressed = [running[rid] for rid in dict.fromkeys(model_output.request_ids)
+                      if rid in running and len(running[rid].output_token_ids) > lengths[rid]]
+        now = time.time()
+        for request in progressed:
+            if request.first_token_time is None:
+                request.first_token_time = now
+            else:
+                self._inter_token.observe(now - request.last_token_time)
+            request.last_token_time = now
+        self.last_step_digest = _step_digest(scheduler_output, model_output)
+        return progressed
 
     def _check_stop_strings(self, sampled: list[str], running: dict[str, Request],
-                            finished: list[Request]) -> list[Request]:
+                            finished: list[Request]) -> None:
         """Requests whose text now holds a stop string finish with it. A request the scheduler
         finished for its length this step is checked too (the string then wins, as in vLLM);
         one that ended on an EOS or stop token is not (that token is not part of the text)."""
-        stopped = []
         done = {r.request_id for r in finished}
         for rid in sampled:
             request = running.get(rid)  # None: preempted while its step was in flight (PP)
@@ -97,36 +151,19 @@ class EngineCore:
             request.finish_reason, request.stop_reason = "stop", stop
             if not ended:
                 self.scheduler.finish_request(request)
-                stopped.append(request)
-        return stopped
 
-    def run_steps(self) -> Iterator[list[Request]]:
-        """Step until this replica's requests have finished, yielding each step's finished ones.
-
-        With DP waves (engine/dp_waves.py), until no replica has work: every step first asks
-        the DP group whether any replica has (so every replica takes the same number of steps),
-        and a replica with none runs a dummy forward instead. Every replica must call this
-        together (each generate call, even with no requests of its own).
-        """
-        if not self.dp_waves:
-            while self.scheduler.has_unfinished():
-                yield self.step()
-            return
-        steps = 0
-        while self._any_replica_unfinished():
-            steps += 1
-            self.wave_stats["wave_steps"] += 1
-            if self.scheduler.has_unfinished():
-                yield self.step()
-            else:
-                self._dummy_step()
-        self.wave_stats["waves"] += steps > 0
-
-    def _any_replica_unfinished(self) -> bool:
+    def _wave_open(self) -> bool:
+        """Whether any replica has work (collective over DP); a "no" closes the wave."""
         try:
-            return self.executor.dp_any_unfinished(self.scheduler.has_unfinished())
+            active = self.executor.dp_any_unfinished(self.scheduler.has_unfinished())
         except Exception as exc:
             raise EngineDeadError(f"engine failed while checking the DP wave: {exc}") from exc
+        if not active and self._in_wave:
+            self.wave_stats["waves"] += 1
+            self._in_wave = False
+        self._inter_token = LatencyHistogram()
+        self.last_step_digest = ""  # of the last step applied: ranks of a replica compare theirs
+        return active
 
     def _dummy_step(self) -> None:
         try:
@@ -140,8 +177,8 @@ class EngineCore:
         nothing else can run, then take the oldest step's result. Which steps are sent
         depends only on the order of replies, never on timing, so output is unchanged."""
         queue, limit = self._batch_queue, self.executor.max_concurrent_batches
-        if len(queue) < limit:
-            out = self.scheduler.schedule(in_flight=len(queue), max_in_flight=limit)
+        if len(queue) < limit and self.scheduler.has_unfinished():
+            out = self._schedule(in_flight=len(queue), max_in_flight=limit)
             if out is not None:
                 try:
                     queue.append((out, self.executor.execute_model_async(out)))
@@ -151,25 +188,41 @@ class EngineCore:
                     raise EngineDeadError(f"engine failed while running step {out.step}: {exc}") from exc
                 if len(queue) < limit:
                     return []
-        out, result = queue.popleft()
+        return self._take_oldest_in_flight()
+
+    def _take_oldest_in_flight(self) -> list[Request]:
+        out, result = self._batch_queue.popleft()
         try:
             model_output = result()
         except Exception as exc:
-            queue.clear()
+            self._batch_queue.clear()
             raise EngineDeadError(f"engine failed while running step {out.step}: {exc}") from exc
         return self._update(out, model_output)
+
+    def drain(self) -> list[Request]:
+        """Wait for the steps in flight (PP's batch queue) and apply them: the requests that
+        made progress. Afterwards nothing is in flight (pause_generation(mode="keep"))."""
+        progressed = []
+        while self._batch_queue:
+            progressed += self._take_oldest_in_flight()
+        return progressed
 
     def run_until_done(self, on_finished: FinishedCallback | None = None) -> list[Request]:
         """Step until every request has finished; `on_finished` gets each step's finished ones."""
         finished = []
-        for done in self.run_steps():
+        while self.has_unfinished_requests():
+            done = [r for r in self.step() if r.finish_reason is not None]
             if done and on_finished is not None:
                 on_finished(done)
             finished.extend(done)
         return finished
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached block (False, changing nothing, while requests hold blocks)."""
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget every cached block (False, changing nothing, while requests hold blocks).
+        `reset_running_requests`: running requests first give their blocks back and keep their
+        tokens (their KV is recomputed), so the reset always succeeds."""
+        if reset_running_requests:
+            self.scheduler.reset_running_requests()
         return self.scheduler.reset_prefix_cache()
 
     def sleep(self, level: int) -> list[dict]:
@@ -195,10 +248,17 @@ class EngineCore:
         runner = self.executor.collective_rpc("get_runner_stats",
                                               unique_reply_rank=self.executor.output_rank)[0]
         return {**self.scheduler.get_stats(), "peak_in_flight": self._peak_in_flight, "runner": runner,
-                "dp_waves": self.dp_waves, **self.wave_stats}
+                "dp_waves": self.dp_waves, **self.wave_stats, "inter_token_latency": self._inter_token.to_dict()}
 
     def collective_rpc(self, method, args=(), kwargs=None, unique_reply_rank=None):
         return self.executor.collective_rpc(method, args, kwargs, unique_reply_rank)
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def _step_digest(scheduler_output, model_output) -> str:
+    """What a step scheduled and sampled, in a few bytes: every rank of a replica must agree."""
+    seqs = [(s.request_id, s.context_len, len(s.token_ids), s.block_ids) for s in scheduler_output.seqs]
+    summary = (scheduler_output.step, seqs, model_output.request_ids, [int(t) for t in model_output.sampled_token_ids])
+    return hashlib.sha256(repr(summary).encode()).hexdigest()[:16]

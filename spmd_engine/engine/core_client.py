@@ -3,9 +3,8 @@
 `LLM` drives either one EngineCore in its own process (uni, mp with DP = 1,
 external_launcher) or one EngineCore_DP{i} process per replica (dp_client.py).
 Both answer the same calls, each per replica in replica order, so the front end
-never asks which kind it holds. Finished requests are handed to one callback
-shape, `on_finished(requests)`, as they finish: progress counts and streamed
-outputs are both derived from it in the front end.
+never asks which kind it holds. The front end (engine/llm_engine.py) drives them
+step by step: add_request, step (the requests that made progress), abort_requests.
 """
 
 from __future__ import annotations
@@ -36,8 +35,24 @@ class EngineDeadError(RuntimeError):
 
 class EngineCoreClient(ABC):
     @abstractmethod
-    def generate(self, requests: list[Request], on_finished: FinishedCallback | None = None) -> list[Request]:
-        """Run the requests to completion (spread over the replicas); all of them, finished."""
+    def add_request(self, request: Request) -> None:
+        """Queue the request in one replica (spread over the replicas in the order added)."""
+
+    @abstractmethod
+    def abort_requests(self, request_ids: list[str]) -> list[Request]:
+        """Finish these requests (finish_reason "abort"); those that were unfinished."""
+
+    @abstractmethod
+    def step(self) -> list[Request]:
+        """One step of every replica with work: the requests that made progress."""
+
+    @abstractmethod
+    def has_unfinished_requests(self) -> bool:
+        """Some replica has work (with DP waves: or its wave is still open)."""
+
+    @abstractmethod
+    def drain(self) -> list[Request]:
+        """Finish the steps in flight everywhere; the requests that made progress."""
 
     @abstractmethod
     def call_core(self, method: str, *args) -> list:
@@ -69,10 +84,20 @@ class InProcClient(EngineCoreClient):
     def __init__(self, engine_core):
         self.engine_core = engine_core
 
-    def generate(self, requests: list[Request], on_finished: FinishedCallback | None = None) -> list[Request]:
-        for request in requests:
-            self.engine_core.add_request(request)
-        return self.engine_core.run_until_done(on_finished)
+    def add_request(self, request: Request) -> None:
+        self.engine_core.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> list[Request]:
+        return self.engine_core.abort_requests(request_ids)
+
+    def step(self) -> list[Request]:
+        return self.engine_core.step()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine_core.has_unfinished_requests()
+
+    def drain(self) -> list[Request]:
+        return self.engine_core.drain()
 
     def call_core(self, method: str, *args) -> list:
         return [getattr(self.engine_core, method)(*args)]

@@ -3,13 +3,16 @@
 Each replica is a whole engine (scheduler, KV cache, executor and its own
 workers), but all replicas' workers join one torch world of world_size_across_dp
 ranks, rank = dp * world_size + rank in the replica (vLLM's layout), at a store
-this process hosts: the DP and EP groups `plan` prints exist. The launching process splits the prompts over the replicas, and puts the results back in input order.
+this process hosts: the DP and EP groups `plan` prints exist. Requests go to the
+replicas in turn, in the order added; each step() steps every replica with work
+at once (all of them with DP waves) and gathers what made progress.
 
-Replicas stream each step's finished requests back as they finish. A replica
-that fails (an mp worker died, a worker raised) fails the whole `generate` at
-once: every replica's process is ended (their workers follow by the
-parent-death signal and their own liveness checks), and the error carries the
-requests that had finished before, from every replica (`exc.finished`).
+A replica sends back, each step, its finished requests and those that stream
+(output_kind other than FINAL_ONLY). A replica that fails (an mp worker died, a
+worker raised) fails the whole call at once: every replica's process is ended
+(their workers follow by the parent-death signal and their own liveness checks),
+and the error carries the requests that had finished in that step (`exc.finished`;
+the front end adds those of earlier steps).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from multiprocessing.connection import wait
 from spmd_engine import topology
 from spmd_engine.config import EngineConfig
 from spmd_engine.core.request import Request
-from spmd_engine.engine.core_client import EngineCoreClient, EngineDeadError, FinishedCallback
+from spmd_engine.engine.core_client import EngineCoreClient, EngineDeadError
 from spmd_engine.executor.abstract import dumps_method, loads_method
 
 POLL_S = 0.2
@@ -41,6 +44,10 @@ class DPEngineClient(EngineCoreClient):
         self.procs: list[mp.Process] = []
         self.conns = []
         self.failed: str | None = None
+        self._added = 0
+        self._owner: dict[str, int] = {}  # unfinished request id -> its replica
+        self._pending: list[list[Request]] = [[] for _ in range(dp_size)]  # added, not yet sent
+        self._unfinished = [0] * dp_size
         # Every replica's workers join one torch world (vLLM's layout), meeting at this store, on
         # a port the OS picks; it lives as long as the replicas do.
         from spmd_engine.distributed.loopback_store import loopback_store
@@ -88,31 +95,79 @@ class DPEngineClient(EngineCoreClient):
                 break  # _receive reports how it died
         return self._receive(i, what)[1]
 
-    def generate(self, requests: list[Request], on_finished: FinishedCallback | None = None) -> list[Request]:
-        """Every replica runs its share at once; finished requests arrive as they finish."""
+    def add_request(self, request: Request) -> None:
+        i = self._added % len(self.procs)
+        self._added += 1
+        self._owner[request.request_id] = i
+        self._pending[i].append(request)  # sent with replica i's next step
+
+    def abort_requests(self, request_ids: list[str]) -> list[Request]:
+        self._check_alive()
+        aborted, sent = [], []
+        for i, pending in enumerate(self._pending):
+            kept = [r for r in pending if r.request_id not in request_ids]
+            for r in pending:
+                if r.request_id in request_ids:
+                    r.finish_reason = "abort"
+                    aborted.append(r)
+            self._pending[i] = kept
+        owners = sorted({self._owner[rid] for rid in request_ids if rid in self._owner})
+        for i in owners:
+            self.conns[i].send(("abort", [rid for rid in request_ids if self._owner.get(rid) == i]))
+            sent.append(i)
+        for i, done in self._gather(sent, "abort_request").items():
+            aborted += done
+            self._unfinished[i] -= len(done)
+        for r in aborted:
+            self._owner.pop(r.request_id, None)
+        return aborted
+
+    def step(self) -> list[Request]:
+        """Every replica with work (or all, with DP waves) runs one step at once."""
+        self._check_alive()
+        busy = [i for i in range(len(self.procs))
+                if self.config.dp_waves or self._unfinished[i] or self._pending[i]]
+        for i in busy:
+            adds, self._pending[i] = self._pending[i], []
+            self._unfinished[i] += len(adds)
+            self.conns[i].send(("step", adds))
+        progressed = []
+        for i, (shipped, unfinished) in self._gather(busy, "step").items():
+            self._unfinished[i] = unfinished
+            progressed += shipped
+            for r in shipped:
+                if r.finish_reason is not None:
+                    self._owner.pop(r.request_id, None)
+        return progressed
+
+    def has_unfinished_requests(self) -> bool:
+        if any(self._pending) or not self.config.dp_waves:
+            return any(self._pending) or any(self._unfinished)
+        return any(self.call_core("has_unfinished_requests"))  # every replica together: the wave's collective
+
+    def drain(self) -> list[Request]:
+        return [r for replica in self.call_core("drain") for r in replica]
+
+    def _check_alive(self) -> None:
         if self.failed:
             raise EngineDeadError(f"Executor failed. (the DP replicas were shut down after: {self.failed})")
-        shares = [requests[i::len(self.procs)] for i in range(len(self.procs))]
-        for conn, share in zip(self.conns, shares):
-            conn.send(("generate", share))
-        finished = []
-        pending = {conn: i for i, conn in enumerate(self.conns)}
+
+    def _gather(self, indices: list[int], what: str) -> dict:
+        """The replies of these replicas, as they arrive; the first failure fails fast."""
+        replies: dict = {}
+        pending = {self.conns[i]: i for i in indices}
         while pending:
             ready = wait(list(pending), timeout=POLL_S)
             ready += [c for c, i in pending.items() if c not in ready and not self.procs[i].is_alive()]
             for conn in ready:
-                i = pending[conn]
+                i = pending.pop(conn)
                 try:
-                    status, payload = self._receive(i, "generate")
+                    replies[i] = self._receive(i, what)[1]
                 except EngineDeadError as exc:
+                    finished = [r for reply in replies.values() if what == "step"
+                                for r in reply[0] if r.finish_reason is not None]
                     self._fail_fast(str(exc), finished)
-                if status == "finished":
-                    finished.extend(payload)
-                    if on_finished is not None:
-                        on_finished(payload)
-                else:
-                    del pending[conn]
-        return finished
+        return dict(sorted(replies.items()))
 
     def _fail_fast(self, why: str, finished: list[Request]) -> None:
         """One replica failed: end every replica now (the others' work is lost with the call),
@@ -125,8 +180,8 @@ class DPEngineClient(EngineCoreClient):
             try:
                 while conn.poll(0):
                     status, payload = conn.recv()
-                    if status == "finished":
-                        finished.extend(payload)
+                    if status == "ok" and isinstance(payload, tuple) and len(payload) == 2:
+                        finished.extend(r for r in payload[0] if r.finish_reason is not None)
             except (EOFError, OSError, ValueError, pickle.UnpicklingError):
                 pass  # a message cut short by the kill
         _end_processes(self.procs, grace_s=5.0)
@@ -142,19 +197,17 @@ class DPEngineClient(EngineCoreClient):
         return self.config
 
     def collective_rpc(self, method, args=(), kwargs=None, unique_reply_rank=None):
-        if self.failed:
-            raise EngineDeadError(f"Executor failed. (the DP replicas were shut down after: {self.failed})")
+        self._check_alive()
         for conn in self.conns:
             conn.send(("rpc", (dumps_method(method), args, kwargs, unique_reply_rank)))
         return [r for i in range(len(self.procs)) for r in self._reply(i, "collective_rpc")]
 
     def call_core(self, method: str, *args) -> list:
         """`EngineCore.method(*args)` in every replica, one reply each (prefix cache, stats)."""
-        if self.failed:
-            raise EngineDeadError(f"Executor failed. (the DP replicas were shut down after: {self.failed})")
+        self._check_alive()
         for conn in self.conns:
             conn.send(("core", (method, args)))
-        return [self._reply(i, method) for i in range(len(self.procs))]
+        return list(self._gather(list(range(len(self.procs))), method).values())
 
     @property
     def llm_engine(self) -> "DPEngineClient":
@@ -198,13 +251,13 @@ def run_engine_core(config, executor_class, max_model_len, eos, name, conn, pare
             if kind == "shutdown":
                 return
             try:
-                if kind == "generate":
+                if kind == "step":
                     for request in payload:
                         core.add_request(request)
-                    for done in core.run_steps():  # with DP waves, until no replica has work
-                        if done:  # streamed: the front end keeps them even if a later step fails
-                            conn.send(("finished", done))
-                    conn.send(("ok", None))
+                    progressed = core.step()
+                    conn.send(("ok", (_shipped(progressed), core.get_num_unfinished_requests())))
+                elif kind == "abort":
+                    conn.send(("ok", core.abort_requests(payload)))
                 elif kind == "core":
                     method, args = payload
                     conn.send(("ok", getattr(core, method)(*args)))
@@ -215,6 +268,13 @@ def run_engine_core(config, executor_class, max_model_len, eos, name, conn, pare
                 conn.send(("error", _one_line(exc)))
     finally:
         core.shutdown()
+
+
+def _shipped(progressed: list[Request]) -> list[Request]:
+    """What crosses back each step: finished requests, and those the front end streams."""
+    from spmd_engine.sampling_params import RequestOutputKind
+    return [r for r in progressed
+            if r.finish_reason is not None or r.params.output_kind is not RequestOutputKind.FINAL_ONLY]
 
 
 def _end_with_workers(signum, frame) -> None:

@@ -8,22 +8,18 @@ process per replica (DP > 1), and returns results complete and in input order.
 
 from __future__ import annotations
 
-import hashlib
-import pickle
-import random
+import copy
 from typing import Any, Callable, Sequence
 
 from spmd_engine import topology
 from spmd_engine.config import DEFAULT_MAX_NUM_SEQS, ConfigError
-from spmd_engine.core.request import Request
 from spmd_engine.engine.arg_utils import EngineArgs, EngineSetup
 from spmd_engine.engine.core_client import EngineCoreClient, EngineDeadError, InProcClient
-from spmd_engine.engine.outputs import CompletionOutput, Logprob, RequestOutput, SamplingMask
+from spmd_engine.engine.output_processor import SEED_MASK
+from spmd_engine.engine.outputs import RequestOutput
 from spmd_engine.engine.vllm_args import accept_vllm_kwargs
 from spmd_engine.engine.weight_update import WeightUpdates
-from spmd_engine.sampling_params import SamplingParams
-
-SEED_MASK = (1 << 63) - 1
+from spmd_engine.sampling_params import RequestOutputKind, SamplingParams
 
 
 def request_seed(engine_seed: int, index: int) -> int:
@@ -44,15 +40,19 @@ class LLM:
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  load_format: str = "auto", enable_sleep_mode: bool = False,
                  logprobs_mode: str = "raw_logprobs", enable_return_routed_experts: bool = False,
-                 **vllm_kwargs):
+                 admission: str = "identical", **vllm_kwargs):
         """vLLM's arguments and meanings. `seed` is the engine seed (None: 0, as in vLLM):
         requests without their own seed draw from a stream it starts, fresh on every generate
         call; under external_launcher it must be the same on every rank of a replica
         (checked). Other vLLM arguments are accepted and ignored, with one warning (see
         vllm_args). As in vLLM, None for a sizing argument (trainers pass None for what their
         user left unset) means its default. `enable_return_routed_experts` (MoE only): each
-        output's `routed_experts`, the experts every computed position was routed to (docs/moe.md)."""
+        output's `routed_experts`, the experts every computed position was routed to (docs/moe.md).
+        `admission` (external_launcher): "identical", every rank of a replica adds the same
+        requests (checked each step), or "rank0", only its first rank does (engine/admission.py)."""
         accept_vllm_kwargs(vllm_kwargs)
+        from spmd_engine.engine.admission import check_mode
+        self._admission = check_mode(admission)
         engine_args = EngineArgs(
             model=model, tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
             data_parallel_size=data_parallel_size, prefill_context_parallel_size=prefill_context_parallel_size,
@@ -72,6 +72,7 @@ class LLM:
         """An LLM on a configuration already built and checked (the run CLI checks its
         prompts against it first)."""
         llm = cls.__new__(cls)
+        llm._admission = "identical"
         llm._start(setup, enable_sleep_mode)
         return llm
 
@@ -82,14 +83,22 @@ class LLM:
         self.enable_sleep_mode = bool(enable_sleep_mode)
         self._asleep: set[str] = set()  # the tags (weights, kv_cache) sleep gave back, until wake_up
         self._weights_discarded = False  # sleep(2) ran: generate checks the workers loaded weights since
-        self.seed = self.config.seed
-        # Requests without a seed draw theirs from here, in input order, call after call: fresh
-        # randomness on every generate, yet the same on every rank given the same engine seed.
-        self._seed_stream = random.Random(self.seed)
-        self._next_request = 0
+        self._generate_calls, self._next_request = 0, 0
         self._engine = self._make_engine()
         external = self.config.parallel_config.distributed_executor_backend == "external_launcher"
         self._updates = WeightUpdates(self._engine, external)
+        from spmd_engine.engine.llm_engine import LLMEngine
+        self._llm_engine = LLMEngine(self._engine, self.inputs, self.config.seed, self._admission, external,
+                                     lambda: self._updates.version, self._check_can_generate)
+
+    @property
+    def seed(self) -> int:
+        """The engine seed (under external_launcher the same on every rank of a replica: checked)."""
+        return self._llm_engine.seed
+
+    @seed.setter
+    def seed(self, value: int) -> None:
+        self._llm_engine.seed = value
 
     # -- construction -----------------------------------------------------------
     def _make_engine(self) -> EngineCoreClient:
@@ -115,6 +124,56 @@ class LLM:
         used as the tqdm class). `progress(requests, tokens)` is called as requests finish (from
         every replica this process drives), for a progress display; `on_output(position,
         output)` too, with each finished request (to stream results)."""
+        self._check_can_generate()
+        engine = self._llm_engine
+        busy = engine.get_num_unfinished_requests()
+        if busy:
+            raise RuntimeError(f"generate while {busy} requests added with llm.llm_engine.add_request are "
+                               f"unfinished: step them to the end or abort them first")
+        call = self._generate_calls
+        self._generate_calls += 1
+        news = []
+        if engine.takes_input and (_has_prompts(prompts) or not self.dp_waves):
+            try:
+                news = self._new_requests(prompts, sampling_params, call)
+            except Exception:
+                self._meet_replica_empty_handed()
+                raise
+        for new in news:
+            engine.queue_request(new)
+        total = sum(new.params.n for new in news)
+        progress = tqdm_progress(use_tqdm, total, progress)
+        done: dict[int, RequestOutput] = {}
+        try:
+            while engine.has_unfinished_requests():
+                for origin, out in engine.step_with_origins():
+                    if origin is None or origin[0] != call:
+                        continue
+                    done[origin[1]] = out
+                    if on_output is not None:
+                        on_output(origin[1], out)
+                    if progress is not None:
+                        progress(len(out.outputs), sum(len(c.token_ids) for c in out.outputs))
+        except EngineDeadError as exc:
+            for origin, out in getattr(exc, "outputs", []):
+                if origin is not None and origin[0] == call:
+                    done[origin[1]] = out
+            exc.partial_outputs = [done.get(i) for i in range(max(len(news), len(done)))]
+            raise
+        return [done[i] for i in range(len(done))]
+
+    def _meet_replica_empty_handed(self) -> None:
+        """This rank refused its prompts: under external_launcher it still meets the others at
+        their first sync, with nothing queued, so they fail (or, following rank 0, finish
+        empty) instead of waiting for it."""
+        if self.config.parallel_config.distributed_executor_backend == "external_launcher":
+            try:
+                self._llm_engine.sync()
+            except ConfigError:
+                pass
+
+    def _check_can_generate(self) -> None:
+        """Refuse to run the model on weights that are not a whole policy, or while asleep."""
         if self._asleep:
             raise RuntimeError(f"the engine is asleep ({', '.join(sorted(self._asleep))} given back by "
                                f"llm.sleep()): call llm.wake_up() before generate")
@@ -129,36 +188,6 @@ class LLM:
                                    f"been loaded since (first: {missing[0]}): load_weights(...) every tensor, "
                                    f"or collective_rpc('reload_weights'), before generate")
             self._weights_discarded = False
-        stream = self._seed_stream.getstate()
-        try:  # a refused call draws nothing, so every rank's stream stays where the others' are
-            if self.dp_waves and not _has_prompts(prompts):
-                groups = []  # an idle replica still steps with the others until the wave ends
-            else:
-                groups = self._make_requests(prompts, sampling_params)
-            requests = [r for group in groups for r in group]
-            if self.config.parallel_config.distributed_executor_backend == "external_launcher":
-                self._check_same_inputs_across_replica(requests)
-        except BaseException:
-            self._seed_stream.setstate(stream)
-            raise
-        progress = tqdm_progress(use_tqdm, len(requests), progress)
-        version = self._updates.version
-        relay = _OutputRelay(groups, self.inputs, on_output, version) if on_output is not None else None
-
-        def on_finished(done: list[Request]) -> None:
-            if relay is not None:
-                relay(done)
-            if progress is not None:
-                progress(len(done), sum(len(r.output_token_ids) for r in done))
-        try:
-            finished = {r.request_id: r for r in self._engine.generate(requests, on_finished)}
-        except EngineDeadError as exc:
-            # Replicas that did not fail finished their requests: keep them, in input order.
-            done = {r.request_id: r for r in exc.finished}
-            exc.partial_outputs = [_to_output([done[r.request_id] for r in group], self.inputs, version)
-                                   if all(r.request_id in done for r in group) else None for group in groups]
-            raise
-        return [_to_output([finished[r.request_id] for r in group], self.inputs, version) for group in groups]
 
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool | Callable = False, lora_request=None, chat_template: str | None = None,
@@ -188,9 +217,10 @@ class LLM:
         times, a replica without prompts with an empty list."""
         return self.config.dp_waves
 
-    def _make_requests(self, prompts, sampling_params) -> list[list[Request]]:
-        """Per prompt, its `n` engine requests (sample k: id "k_<id>" when n > 1, its own seed).
-        They share the prompt, so prefix caching computes its full blocks once."""
+    def _new_requests(self, prompts, sampling_params, call: int) -> list:
+        """Every prompt tokenized, checked and seeded before any is queued: a refused call
+        queues nothing and draws nothing, so every rank's seed stream stays with the others'.
+        Each gets id str(k), k counting over this LLM's generate calls, and FINAL_ONLY outputs."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -201,48 +231,48 @@ class LLM:
         params_list = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ConfigError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
-        groups = []
-        for index, (prompt, params) in enumerate(zip(prompts, params_list)):
-            text, ids = self.inputs.encode(prompt, index)
-            self.inputs.check_params(params, index)
-            if params.stop and self.tokenizer is None:
-                raise ConfigError(f"prompt {index}: stop strings need a tokenizer, and this model has none "
-                                  f"({self.inputs._tokenizer_error})")
-            seed = params.seed if params.seed is not None else self._seed_stream.getrandbits(63)
-            base = str(self._next_request)
-            self._next_request += 1
-            if params.n == 1:
-                groups.append([Request(base, ids, params, seed, prompt=text)])
-                continue
-            groups.append([Request(f"{k}_{base}", list(ids), params, (seed + k) & SEED_MASK, prompt=text)
-                           for k in range(params.n)])
-        return groups
-
-    def _check_same_inputs_across_replica(self, requests: list[Request]) -> None:
-        """Under external_launcher every rank of a replica must schedule the same requests.
-
-        Only groups inside this replica take part (TP, then PP: together they
-        connect the whole replica), because other replicas may call generate a
-        different number of times, or not at all.
-        """
-        from spmd_engine.distributed import get_pp_group, get_tp_group
-        digest = hashlib.sha256(pickle.dumps([(r.prompt_token_ids, r.params, r.seed) for r in requests]))
-        for group in (get_tp_group(), get_pp_group()):
-            seeds_and_digests = group.all_gather_object((self.seed, digest.hexdigest()))
-            seeds = [s for s, _ in seeds_and_digests]
-            if len(set(seeds)) > 1:
-                raise ConfigError(f"ranks {group.ranks} have engine seeds {seeds}: every rank of a replica "
-                                  f"must pass the same LLM(seed=...), or their samples differ")
-            digests = [d for _, d in seeds_and_digests]
-            odd = [group.ranks[i] for i, d in enumerate(digests) if d != digests[0]]
-            if odd:
-                raise ConfigError(f"ranks {odd} passed different prompts or sampling params than rank "
-                                  f"{group.ranks[0]}; every rank of a replica must pass the same")
+        engine = self._llm_engine
+        stream, first = engine.seed_stream.getstate(), self._next_request
+        news = []
+        try:
+            for index, (prompt, params) in enumerate(zip(prompts, params_list)):
+                final = copy.copy(params)
+                final.output_kind = RequestOutputKind.FINAL_ONLY
+                news.append(engine.new_request(str(self._next_request), prompt, final, origin=(call, index),
+                                               index=index))
+                self._next_request += 1
+        except BaseException:
+            engine.seed_stream.setstate(stream)
+            self._next_request = first
+            raise
+        return news
 
     # -- the KV cache ---------------------------------------------------------------
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix block (as vLLM: False while requests are running)."""
-        return all(self._engine.call_core("reset_prefix_cache"))
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget every cached prefix block (as vLLM: False while requests are running).
+        `reset_running_requests=True`: running requests keep their tokens and recompute their KV
+        when next scheduled (after a weight update their old KV is stale); it always succeeds."""
+        if not isinstance(reset_running_requests, bool):
+            raise ValueError(f"reset_running_requests must be True or False, got {reset_running_requests!r}")
+        return all(self._engine.call_core("reset_prefix_cache", reset_running_requests))
+
+    # -- pausing for a weight update mid-rollout (engine/pause.py) -------------------------
+    def pause_generation(self, mode: str = "abort", clear_cache: bool = False) -> list[RequestOutput]:
+        """Stop generating: "abort" (partial outputs of every unfinished request, returned),
+        "wait" (run them to the end first; their outputs returned) or "keep" (they stay, with
+        their KV, and continue after resume_generation())."""
+        return self._llm_engine.pause_generation(mode, clear_cache)
+
+    def resume_generation(self) -> None:
+        self._llm_engine.resume_generation()
+
+    def is_paused(self) -> bool:
+        return self._llm_engine.is_paused()
+
+    def get_metrics(self) -> list:
+        """vLLM's metrics (engine/metrics.py): request, token, preemption and prefix-cache
+        counters, running / waiting gauges, latency histograms."""
+        return self._llm_engine.outputs.stats.metrics(self.get_stats())
 
     # -- sleep mode (colocated training takes the memory between rollouts) -------------
     def sleep(self, level: int = 1) -> list[dict]:
@@ -284,10 +314,11 @@ class LLM:
     # -- workers ------------------------------------------------------------------
     @property
     def llm_engine(self):
-        """The engine this process drives (vLLM's `llm.llm_engine`): with one replica here its
-        `model_executor.driver_worker.model_runner.model` is this rank's CausalLM (uni and
-        external_launcher; under mp the model lives in the workers: use collective_rpc)."""
-        return self._engine.llm_engine
+        """vLLM's `llm.llm_engine` (engine/llm_engine.py): add_request / step / abort_request;
+        with one replica here its `model_executor.driver_worker.model_runner.model` is this
+        rank's CausalLM (uni and external_launcher; under mp the model lives in the workers:
+        use collective_rpc)."""
+        return self._llm_engine
 
     def collective_rpc(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None,
                        unique_reply_rank: int | None = None) -> list[Any]:
@@ -394,88 +425,6 @@ def tqdm_progress(use_tqdm, total: int, progress: Callable[[int, int], None] | N
         if progress is not None:
             progress(requests, tokens)
     return advance
-
-
-class _OutputRelay:
-    """Hands each prompt's RequestOutput on once all its samples have finished."""
-
-    def __init__(self, groups: list[list[Request]], inputs, on_output, version=None):
-        self.version = version
-        self.position = {r.request_id: i for i, group in enumerate(groups) for r in group}
-        self.sizes = [len(group) for group in groups]
-        self.done: dict[int, list[Request]] = {}
-        self.inputs, self.on_output = inputs, on_output
-
-    def __call__(self, done: list[Request]) -> None:
-        for r in done:
-            i = self.position[r.request_id]
-            samples = self.done.setdefault(i, [])
-            samples.append(r)
-            if len(samples) == self.sizes[i]:
-                del self.done[i]
-                self.on_output(i, _to_output(samples, self.inputs, self.version))
-
-
-def _to_output(samples: list[Request], inputs, weight_version=None) -> RequestOutput:
-    """One prompt's RequestOutput: its samples in index order (ids "k_<id>" when n > 1)."""
-    samples = sorted(samples, key=lambda r: int(r.request_id.split("_")[0]) if "_" in r.request_id else 0)
-    first = samples[0]
-    completions = [_completion(k, r, inputs) for k, r in enumerate(samples)]
-    request_id = first.request_id.split("_", 1)[1] if "_" in first.request_id else first.request_id
-    prompt_logprobs = None
-    if first.params.prompt_logprobs is not None:
-        prompt_logprobs = [None] + [_logprob_dict(step, inputs, first.params.detokenize)
-                                    for step in first.prompt_logprobs or []]
-    return RequestOutput(request_id, first.prompt, list(first.prompt_token_ids), completions,
-                         prompt_logprobs=prompt_logprobs, weight_version=weight_version)
-
-
-def _logprob_dict(step: dict[int, tuple[float, int]], inputs, detokenize: bool = True) -> dict[int, Logprob]:
-    decode = inputs.decode if inputs.tokenizer is not None and detokenize else (lambda ids: None)
-    return {token: Logprob(value, rank, decode([token])) for token, (value, rank) in step.items()}
-
-
-def _completion_text(request: Request, inputs) -> str:
-    """The output's text: empty without detokenize; cut at the stop string when one ended it;
-    else the tokens decoded, less the EOS or stop token that ended the request (as vLLM)."""
-    params = request.params
-    if not params.detokenize:
-        return ""
-    if isinstance(request.stop_reason, str):
-        return request.output_text
-    ids = request.output_token_ids
-    if request.finish_reason == "stop" and not params.include_stop_str_in_output:
-        ids = ids[:-1]
-    return inputs.decode(ids, skip_special_tokens=params.skip_special_tokens)
-
-
-def _completion(index: int, request: Request, inputs) -> CompletionOutput:
-    text = _completion_text(request, inputs)
-    logprobs = cumulative = None
-    if request.logprobs is not None:
-        logprobs = [_logprob_dict(step, inputs, request.params.detokenize) for step in request.logprobs]
-        cumulative = sum(step[token].logprob for step, token in zip(logprobs, request.output_token_ids))
-    return CompletionOutput(index, text, list(request.output_token_ids), request.finish_reason, logprobs,
-                            cumulative, request.stop_reason, _sampling_mask(request),
-                            routed_experts=_routed_experts(request))
-
-
-def _sampling_mask(request: Request) -> SamplingMask | None:
-    if not request.params.return_sampling_mask:
-        return None
-    masks = request.sampling_masks or []
-    offsets = [0]
-    for ids in masks:
-        offsets.append(offsets[-1] + len(ids))
-    return SamplingMask([int(t) for ids in masks for t in ids], offsets)
-
-
-def _routed_experts(request: Request):
-    """Every position the engine computed: the prompt and the generated tokens but the last."""
-    if request.routed_experts is None:
-        return None
-    from spmd_engine.core.routed_experts import join_chunks
-    return join_chunks(request.routed_experts, request.num_tokens - 1)
 
 
 def _has_prompts(prompts) -> bool:

@@ -47,6 +47,32 @@ class CompletionOutput:
     # top_k], the experts each computed position went to in each sparse layer (docs/moe.md).
     routed_experts: Any = None
 
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """One request's times (time.time() seconds; None until it happened) and token counts.
+    With n > 1 the earliest schedule and first token of its samples, the latest last token,
+    and the generated tokens of all of them."""
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    @property
+    def time_in_queue(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def first_token_latency(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
 
 @dataclass
 class RequestOutput:
@@ -57,5 +83,9 @@ class RequestOutput:
     finished: bool = True
     # prompt_logprobs=K: per prompt token {token id: Logprob}, None for the first (vLLM's shape).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-    # LLM.finish_weight_update's version the request was generated under (None before any update).
+    # The version of the last completed update (LLM.finish_weight_update) when this output was made:
+    # a request that spans an update reports the version it finished under (None before any update).
     weight_version: int | str | None = None
+    # Prompt tokens the prefix cache supplied when the request was first scheduled (vLLM's field).
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None

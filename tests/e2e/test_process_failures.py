@@ -46,7 +46,7 @@ def kill_on_first_progress(pid: int, record: dict):
 def test_sigkill_of_one_mp_worker_fails_the_call_fast():
     llm = LLM(tensor_parallel_size=2)
     try:
-        executor = llm.llm_engine.executor
+        executor = llm.llm_engine.model_executor
         segments = {mq.handle().shm_name.lstrip("/") for mq in [executor.rpc_broadcast_mq, *executor.response_mqs]}
         # The queues are unlinked at start-up (never in /dev/shm), but mapped: the check below can fail.
         assert segments and segments <= mapped_segments(os.getpid())

@@ -38,7 +38,7 @@ def test_a_worker_death_in_one_replica_fails_generate_within_2s():
     llm = LLM(data_parallel_size=2, tensor_parallel_size=2, max_num_seqs=1)
     try:
         workers = llm.collective_rpc(lambda w: os.getpid())  # replica 0's workers, then replica 1's
-        cores = [p.pid for p in llm.llm_engine.procs]
+        cores = [p.pid for p in llm.llm_engine.engine_core.procs]
         record: dict = {}
 
         def progress(n, tokens):

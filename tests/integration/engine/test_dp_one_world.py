@@ -33,7 +33,7 @@ def test_dp_replicas_share_one_world_with_the_planned_groups(tmp_path, backend):
     with LLM(model=str(ckpt), data_parallel_size=2, tensor_parallel_size=tp, enable_expert_parallel=True,
              distributed_executor_backend=backend) as llm:
         replies = llm.collective_rpc(_groups)  # replica 0's workers, then replica 1's
-        names = [p.name for p in llm.llm_engine.procs]
+        names = [p.name for p in llm.llm_engine.engine_core.procs]
     plan = plan_dict(Layout(tp=tp, dp=2), backend)
     world = 2 * tp
     assert names == ["EngineCore_DP0", "EngineCore_DP1"]

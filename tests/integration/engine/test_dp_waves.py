@@ -155,7 +155,7 @@ def test_mp_moe_worker_death_in_one_replica_ends_both_promptly(moe):
     llm = LLM(model=str(moe), data_parallel_size=2, max_model_len=128, timeout_s=60, **EP)
     try:
         workers = llm.collective_rpc(lambda w: os.getpid())  # replica 0's worker, then replica 1's
-        cores = [p.pid for p in llm.llm_engine.procs]
+        cores = [p.pid for p in llm.llm_engine.engine_core.procs]
         record: dict = {}
 
         def progress(n, tokens):  # replica 1's short request finished: both still mid-wave

@@ -30,7 +30,7 @@ def wait_gone(pids, within: float) -> bool:
 
 
 def segments(llm) -> set[str]:
-    ex = llm.llm_engine.executor
+    ex = llm.llm_engine.model_executor
     return {mq.handle().shm_name.lstrip("/") for mq in [ex.rpc_broadcast_mq, *ex.response_mqs]}
 
 
@@ -74,7 +74,7 @@ def test_no_stale_reply_after_a_worker_error():
 def test_no_stale_reply_after_a_timeout():
     with LLM(tensor_parallel_size=2) as llm:
         with pytest.raises(TimeoutError, match="no reply from worker 1"):
-            llm.llm_engine.executor.collective_rpc(_rank1_slow, timeout=1.5)
+            llm.llm_engine.model_executor.collective_rpc(_rank1_slow, timeout=1.5)
         time.sleep(2)  # rank 1's late reply would be in its queue by now
         with pytest.raises(RuntimeError, match="^Executor failed.$"):
             llm.collective_rpc(_rank)

@@ -96,7 +96,7 @@ def test_sleep_bad_input_and_refusals(ckpt):
             llm.wake_up(tags=["x"])
         # A request holding blocks (as if a generate were still running): sleep refuses.
         from spmd_engine.core.request import Request
-        engine = llm.llm_engine
+        engine = llm.llm_engine.engine_core
         engine.add_request(Request("held", [1, 2, 3], GREEDY, seed=0))
         engine.step()
         with pytest.raises(RuntimeError, match="cannot sleep: 1 requests unfinished"):
