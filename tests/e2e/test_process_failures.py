@@ -25,6 +25,7 @@ from launch import (
     tagged_pids,
     unique_tag,
 )
+from zen import continuation
 
 from spmd_engine import LLM, SamplingParams
 from spmd_engine.engine.core_client import EngineDeadError
@@ -58,7 +59,12 @@ def test_sigkill_of_one_mp_worker_fails_the_call_fast():
             llm.generate(["Now is", *["Beautiful is"] * 3], [SHORT, LONG, LONG, LONG],
                          progress=kill_on_first_progress(pids[1], record))
         assert time.monotonic() - record["killed_at"] < 5.0  # at once, not at the 300 s call timeout
-        assert err.value.partial_outputs == [None] * 4
+        # The short request finished (and was reported) before the kill: it is kept, as a DP
+        # replica's finished requests are; the three cut short are not.
+        short, *cut = err.value.partial_outputs
+        assert cut == [None] * 3
+        assert short.outputs[0].finish_reason == "length" and len(short.outputs[0].token_ids) == 2
+        assert continuation("Now is").startswith(short.outputs[0].text)
         # A new call is refused before anything is enqueued.
         with pytest.raises(EngineDeadError, match="Executor failed."):
             llm.generate(["Simple is"], LONG)
