@@ -44,14 +44,16 @@ class LLM:
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  load_format: str = "auto", enable_sleep_mode: bool = False,
                  logprobs_mode: str = "raw_logprobs", enable_return_routed_experts: bool = False,
-                 **vllm_kwargs):
+                 batch_invariant: bool | None = None, **vllm_kwargs):
         """vLLM's arguments and meanings. `seed` is the engine seed (None: 0, as in vLLM):
         requests without their own seed draw from a stream it starts, fresh on every generate
         call; under external_launcher it must be the same on every rank of a replica
         (checked). Other vLLM arguments are accepted and ignored, with one warning (see
         vllm_args). As in vLLM, None for a sizing argument (trainers pass None for what their
         user left unset) means its default. `enable_return_routed_experts` (MoE only): each
-        output's `routed_experts`, the experts every computed position was routed to (docs/moe.md)."""
+        output's `routed_experts`, the experts every computed position was routed to (docs/moe.md).
+        `batch_invariant=True` (or VLLM_BATCH_INVARIANT=1): bitwise reproducible outputs
+        whatever the batch, cache and layout (docs/batch-invariance.md)."""
         accept_vllm_kwargs(vllm_kwargs)
         engine_args = EngineArgs(
             model=model, tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
@@ -64,7 +66,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
             enable_chunked_prefill=enable_chunked_prefill, load_format=load_format,
             logprobs_mode="raw_logprobs" if logprobs_mode is None else logprobs_mode,
-            enable_return_routed_experts=enable_return_routed_experts)
+            enable_return_routed_experts=enable_return_routed_experts, batch_invariant=batch_invariant)
         self._start(engine_args.create_engine_config(), enable_sleep_mode)
 
     @classmethod
