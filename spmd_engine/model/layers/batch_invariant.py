@@ -19,6 +19,10 @@ request's logprobs depend on its batch. These do not, by construction:
   padding to a longer neighbour changes a query's output.
 - `row_sum`, `rms_norm`, `log_softmax`: a row's sum in fixed chunks of SUM_CHUNK added in
   order, never split by thread count.
+- `pointwise`: torch's elementwise kernels compute exp, silu, rsqrt, cos... with SIMD for
+  whole vectors and with the scalar libm function (other bits) for the tail of the tensor,
+  so an element's value depends on the tensor's size. Padding the last dim to a multiple of
+  SUM_CHUNK (contiguous) sends every element through the vector path.
 
 Everything is torch ops with autograd: a trainer calls the same functions (model/trainer.py).
 """
@@ -85,6 +89,18 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, group) -> torch.T
     return gather_tree(partial_tree(x, weight, group.world_size), group)
 
 
+def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn(x) for an elementwise fn, every element through the same (vector) code path."""
+    d = x.shape[-1]
+    if d % SUM_CHUNK == 0 and x.is_contiguous():
+        return fn(x)
+    return fn(F.pad(x, (0, -d % SUM_CHUNK)))[..., :d]
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    return pointwise(F.silu, x)
+
+
 def row_sum(x: torch.Tensor) -> torch.Tensor:
     """Sum over the last dim: fixed chunks of SUM_CHUNK, then the chunks in order."""
     d = x.shape[-1]
@@ -96,7 +112,7 @@ def row_sum(x: torch.Tensor) -> torch.Tensor:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF Llama's RMSNorm (float32, cast back, then scale) with `row_sum`'s mean."""
     x32 = x.float()
-    x32 = x32 * torch.rsqrt(row_sum(x32 * x32).unsqueeze(-1) / x.shape[-1] + eps)
+    x32 = x32 * pointwise(torch.rsqrt, row_sum(x32 * x32).unsqueeze(-1) / x.shape[-1] + eps)
     return weight * x32.to(x.dtype)
 
 
@@ -104,7 +120,7 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
     """log_softmax over the last dim, float32, with `row_sum`'s normaliser."""
     x = x.float()
     m = x.amax(dim=-1, keepdim=True)
-    return x - m - torch.log(row_sum(torch.exp(x - m))).unsqueeze(-1)
+    return x - m - pointwise(torch.log, row_sum(pointwise(torch.exp, x - m)).unsqueeze(-1))
 
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: torch.Tensor,
@@ -128,20 +144,21 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: 
 def _attend_tiles(q, keys, values, q_pos, scale):
     n, t, heads, d = q.shape
     kv, length = keys.shape[2], keys.shape[1]
-    g, nb = heads // kv, length // KEY_BLOCK
-    m = t * g  # rows of one product: the tile's tokens x the query heads sharing a KV head
-    qf = q.float().view(n, t, kv, g, d).permute(0, 2, 1, 3, 4).reshape(n, kv, 1, m, d)
-    kf = keys.float().view(n, nb, KEY_BLOCK, kv, d).permute(0, 3, 1, 2, 4)  # [n, kv, nb, KB, d]
-    vf = values.float().view(n, nb, KEY_BLOCK, kv, d).permute(0, 3, 1, 2, 4)
-    s = torch.matmul(qf.expand(n, kv, nb, m, d), kf.transpose(-1, -2)) * scale  # [n, kv, nb, m, KB]
+    nb = length // KEY_BLOCK
+    # One product per (tile, query head, key block), [t, d] x [d, KEY_BLOCK]: the same shape at
+    # any TP size (folding the query heads that share a KV head into the rows would not be).
+    qf = q.float().permute(0, 2, 1, 3).unsqueeze(2)  # [n, heads, 1, t, d]
+    def blocks(x):  # [n, L, kv, d] -> [n, heads, nb, KEY_BLOCK, d], each query head its KV head's keys
+        x = x.float().view(n, nb, KEY_BLOCK, kv, 1, d).expand(n, nb, KEY_BLOCK, kv, heads // kv, d)
+        return x.reshape(n, nb, KEY_BLOCK, heads, d).permute(0, 3, 1, 2, 4)
+    kf, vf = blocks(keys), blocks(values)
+    s = torch.matmul(qf.expand(n, heads, nb, t, d), kf.transpose(-1, -2)) * scale  # [n, heads, nb, t, KB]
     key_pos = torch.arange(length, device=q.device).view(1, 1, nb, 1, KEY_BLOCK)
-    row_pos = q_pos.repeat_interleave(g, dim=1).view(n, 1, 1, m, 1)
-    s = s.masked_fill(key_pos > row_pos, float("-inf"))
-    p = torch.exp(s - s.amax(dim=(2, 4), keepdim=True))
-    denom = p.sum(-1).cumsum(2)[:, :, -1]  # [n, kv, m]
-    acc = torch.matmul(p, vf).cumsum(2)[:, :, -1]  # [n, kv, m, d]
-    out = (acc / denom.unsqueeze(-1)).view(n, kv, t, g, d).permute(0, 2, 1, 3, 4)
-    return out.reshape(n, t, heads, d).to(q.dtype)
+    s = s.masked_fill(key_pos > q_pos.view(n, 1, 1, t, 1), float("-inf"))
+    p = pointwise(torch.exp, s - s.amax(dim=(2, 4), keepdim=True))  # last dim KEY_BLOCK
+    denom = p.sum(-1).cumsum(2)[:, :, -1]  # [n, heads, t]
+    acc = torch.matmul(p, vf).cumsum(2)[:, :, -1]  # [n, heads, t, d]
+    return (acc / denom.unsqueeze(-1)).permute(0, 2, 1, 3).to(q.dtype)
 
 
 def padded_keys(length: int) -> int:
@@ -158,4 +175,4 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     values = F.pad(v, (0, 0, 0, 0, 0, length - t)).repeat_interleave(tiles, dim=0)
     pos = torch.arange(tq, device=q.device).clamp(max=t - 1).view(1, tiles, QUERY_TILE).expand(b, -1, -1)
     out = attention(qp, keys, values, pos.reshape(b * tiles, QUERY_TILE), scale)
-    return out.view(b, tq, *out.shape[2:])[:, :t]
+    return out.reshape(b, tq, *out.shape[2:])[:, :t]

@@ -199,7 +199,7 @@ def invariant_pair_outputs(x: torch.Tensor, ids: torch.Tensor, w13, w2, first_ex
         if count:
             rows = slice(start, start + count)
             gate, up = bi.linear(xs[rows], w13[expert]).chunk(2, dim=-1)
-            out[pairs[rows]] = bi.partial_tree(F.silu(gate) * up, w2[expert], width_split)
+            out[pairs[rows]] = bi.partial_tree(bi.silu(gate) * up, w2[expert], width_split)
             start += count
     return out
 

@@ -44,6 +44,8 @@ class ReplicatedLinear(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
+    batch_invariant = False  # the shared expert's gate through batch_invariant.pointwise
+
     def __init__(self, spec: ModelSpec, tp_group, moe_group, expert_parallel: bool, dispatch_group=None,
                  dtype: torch.dtype | None = None):
         super().__init__()
@@ -71,7 +73,8 @@ class SparseMoeBlock(nn.Module):
             self.routed_ids = ids
         out = self.experts(x, weights, ids)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            sigmoid = (lambda v: bi.pointwise(torch.sigmoid, v)) if self.batch_invariant else torch.sigmoid
+            out = out + sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out.view(*lead, -1)
 
 
