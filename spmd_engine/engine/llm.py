@@ -53,7 +53,7 @@ class LLM:
         user left unset) means its default. `enable_return_routed_experts` (MoE only): each
         output's `routed_experts`, the experts every computed position was routed to (docs/moe.md).
         `batch_invariant=True` (or VLLM_BATCH_INVARIANT=1): bitwise reproducible outputs
-        whatever the batch, cache and layout (docs/batch-invariance.md)."""
+        whatever the batch, cache and layout (README, batch-invariant mode)."""
         accept_vllm_kwargs(vllm_kwargs)
         engine_args = EngineArgs(
             model=model, tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
