@@ -177,6 +177,8 @@ class ModelConfig:
     logprobs_mode: str = "raw_logprobs"  # vLLM's four: what logprobs and prompt_logprobs hold
     # MoE routing replay: every computed position's experts come back on CompletionOutput.routed_experts
     enable_return_routed_experts: bool = False
+    # Bitwise reproducible outputs: every layer, attention and logprob through batch_invariant.py
+    batch_invariant: bool = False
 
     @property
     def model_dir(self) -> str:

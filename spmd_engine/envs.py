@@ -1,4 +1,5 @@
-"""Every SPMD_ENGINE_* environment variable, read and checked in one place.
+"""Every SPMD_ENGINE_* environment variable (and vLLM's VLLM_BATCH_INVARIANT), read and checked in
+one place.
 
 A variable is read when its function is called (not at import), so a test or a
 launcher can set it late; a bad value is a ConfigError naming the variable, the
@@ -20,6 +21,8 @@ WORKER_MULTIPROC_METHOD = "SPMD_ENGINE_WORKER_MULTIPROC_METHOD"
 CPU_PACKED_WEIGHTS = "SPMD_ENGINE_CPU_PACKED_WEIGHTS"
 DISABLE_SHM_ALLREDUCE = "SPMD_ENGINE_DISABLE_SHM_ALLREDUCE"
 DISABLE_SHM_HANDOFF = "SPMD_ENGINE_DISABLE_SHM_HANDOFF"
+
+BATCH_INVARIANT = "VLLM_BATCH_INVARIANT"  # vLLM's name, so its users' habit carries over
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -80,3 +83,11 @@ def local_world_size(default: int, environ: Mapping[str, str] = os.environ) -> i
 def restart_attempt(environ: Mapping[str, str] = os.environ) -> int:
     """torchrun's restart attempt (TORCHELASTIC_RESTART_COUNT), 0 for the first."""
     return int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def batch_invariant(environ: Mapping[str, str] = os.environ) -> bool:
+    """VLLM_BATCH_INVARIANT=1 turns batch-invariant mode on (as in vLLM); 0 or unset leaves it off."""
+    raw = environ.get(BATCH_INVARIANT, "0")
+    if raw not in ("", "0", "1"):
+        raise ConfigError(f"{BATCH_INVARIANT} must be 0 or 1, got {raw!r}")
+    return raw == "1"

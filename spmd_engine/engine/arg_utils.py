@@ -57,6 +57,7 @@ class EngineArgs:
     load_format: str = "auto"
     logprobs_mode: str = "raw_logprobs"
     enable_return_routed_experts: bool = False
+    batch_invariant: bool | None = None  # None: VLLM_BATCH_INVARIANT decides
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
@@ -91,11 +92,14 @@ class EngineArgs:
                               "model yet; use spmd_engine.plan to inspect such layouts")
         model_config = ModelConfig(model=self.model, dtype=self.dtype, pp_partition=self.pp_partition,
                                    load_format=self.load_format, logprobs_mode=self.logprobs_mode,
-                                   enable_return_routed_experts=self.enable_return_routed_experts)
+                                   enable_return_routed_experts=self.enable_return_routed_experts,
+                                   batch_invariant=bool(self.batch_invariant) or envs.batch_invariant())
         inputs = InputProcessor(model_config.model_dir, self.max_model_len)
         source = os.path.join(model_config.model_dir, "config.json")
         spec = check_layout(inputs.hf_config, parallel, source)
         check_routed_experts(model_config, spec, source)
+        if model_config.batch_invariant:
+            check_batch_invariant(spec, parallel, source)
         partition = self.pp_partition or envs.pp_partition()
         if partition:
             parse_pp_partition(partition, spec.num_layers, parallel.pipeline_parallel_size)
@@ -168,3 +172,21 @@ def front_end_kv_plan(config: EngineConfig, hf_config, spec) -> kv_sizing.KVPlan
     itemsize = resolve_dtype(config.model_config.dtype, hf_config, config.device).itemsize
     available, procs = kv_sizing.host_share(config.parallel_config)
     return kv_sizing.plan_kv(config, spec, itemsize, available, procs)
+
+
+def check_batch_invariant(spec, parallel: ParallelConfig, source: str) -> None:
+    """Batch-invariant mode cuts every row-parallel reduction into REDUCE_CHUNKS slices that TP
+    ranks share evenly: TP must divide it, and so must each reduced width."""
+    from spmd_engine.model.layers.batch_invariant import REDUCE_CHUNKS
+    tp = parallel.tensor_parallel_size
+    if REDUCE_CHUNKS % tp:
+        raise ConfigError(f"batch-invariant mode supports tensor parallel sizes dividing {REDUCE_CHUNKS} "
+                          f"(1, 2, 4, 8), got {tp}")
+    widths = {"num_attention_heads x head_dim": spec.num_heads * spec.head_dim,
+              "intermediate_size": spec.intermediate_size}
+    if spec.moe is not None:
+        widths["moe_intermediate_size"] = spec.moe.expert_intermediate_size
+    for name, width in widths.items():
+        if width % REDUCE_CHUNKS:
+            raise ConfigError(f"batch-invariant mode needs {name} ({width}, {source}) divisible by "
+                              f"{REDUCE_CHUNKS}")

@@ -40,7 +40,7 @@ class LLM:
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  load_format: str = "auto", enable_sleep_mode: bool = False,
                  logprobs_mode: str = "raw_logprobs", enable_return_routed_experts: bool = False,
-                 admission: str = "identical", **vllm_kwargs):
+                 admission: str = "identical", batch_invariant: bool | None = None, **vllm_kwargs):
         """vLLM's arguments and meanings. `seed` is the engine seed (None: 0, as in vLLM):
         requests without their own seed draw from a stream it starts, fresh on every generate
         call; under external_launcher it must be the same on every rank of a replica
@@ -49,7 +49,9 @@ class LLM:
         user left unset) means its default. `enable_return_routed_experts` (MoE only): each
         output's `routed_experts`, the experts every computed position was routed to (docs/moe.md).
         `admission` (external_launcher): "identical", every rank of a replica adds the same
-        requests (checked each step), or "rank0", only its first rank does (engine/admission.py)."""
+        requests (checked each step), or "rank0", only its first rank does (engine/admission.py).
+        `batch_invariant=True` (or VLLM_BATCH_INVARIANT=1): bitwise reproducible outputs
+        whatever the batch, cache and layout (README, batch-invariant mode)."""
         accept_vllm_kwargs(vllm_kwargs)
         from spmd_engine.engine.admission import check_mode
         self._admission = check_mode(admission)
@@ -64,7 +66,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
             enable_chunked_prefill=enable_chunked_prefill, load_format=load_format,
             logprobs_mode="raw_logprobs" if logprobs_mode is None else logprobs_mode,
-            enable_return_routed_experts=enable_return_routed_experts)
+            enable_return_routed_experts=enable_return_routed_experts, batch_invariant=batch_invariant)
         self._start(engine_args.create_engine_config(), enable_sleep_mode)
 
     @classmethod

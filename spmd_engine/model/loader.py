@@ -105,7 +105,7 @@ def _open(file: Path):
 def load_model(model_dir: str | os.PathLike | None, tp_group, pp_group, dtype: str | torch.dtype | None = None,
                device: str | torch.device = "cpu", pp_partition: str | None = None,
                load_format: str = "auto", moe_group=None, expert_parallel: bool = False,
-               dispatch_group=None) -> CausalLM:
+               dispatch_group=None, batch_invariant: bool = False) -> CausalLM:
     """This rank's CausalLM with its shard of the weights (model_dir None: the bundled model).
     `load_format="dummy"` fills it with random weights (`dummy_weights`) and reads no tensor.
     MoE sharding (`moe_group`, `expert_parallel`, `dispatch_group`): see CausalLM."""
@@ -118,7 +118,8 @@ def load_model(model_dir: str | os.PathLike | None, tp_group, pp_group, dtype: s
     # Built straight on `device` with uninitialised storage of shard size (not via the meta
     # device: a first meta tensor imports torch's symbolic-shape machinery, 0.45 s per rank).
     model = CausalLM(hf_config, tp_group, pp_group, dtype=torch_dtype, device=device, pp_partition=pp_partition,
-                     moe_group=moe_group, expert_parallel=expert_parallel, dispatch_group=dispatch_group)
+                     moe_group=moe_group, expert_parallel=expert_parallel, dispatch_group=dispatch_group,
+                     batch_invariant=batch_invariant)
     if load_format == "dummy":
         model.load_weights(dummy_weights(model))
         return model

@@ -67,6 +67,9 @@ def add_job_args(p: UsageParser) -> None:
                         "tokenizer_config.json or chat_template.jinja)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=DTYPES, default=None)
+    p.add_argument("--batch-invariant", action="store_true", default=None,
+                   help="bitwise reproducible outputs whatever the batch, cache and layout "
+                        "(README, batch-invariant mode); also VLLM_BATCH_INVARIANT=1")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
     p.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default="raw_logprobs",

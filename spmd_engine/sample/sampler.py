@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from spmd_engine.config import LOGPROBS_MODES
+from spmd_engine.model.layers import batch_invariant as bi
 from spmd_engine.sample import draw as sample_draw
 from spmd_engine.sample import logits_processors as procs
 from spmd_engine.sample.penalties import apply_penalties, mask_stop_ids
@@ -54,10 +55,11 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, logprobs_mode: str = "raw_logprobs") -> None:
+    def __init__(self, logprobs_mode: str = "raw_logprobs", batch_invariant: bool = False) -> None:
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}")
         self.logprobs_mode = logprobs_mode
+        self.batch_invariant = batch_invariant  # logprobs through batch_invariant.log_softmax
         self.requests: dict[str, RequestState] = {}
 
     def add_request(self, request_id: str, params: SamplingParams, seed: int,
@@ -116,7 +118,8 @@ class Sampler:
             values = raw if not processed else _processed_values(x, states, wanted, support)
             entries = logprob_entries(sample_draw.select_rows(values, wanted), tokens[_index(wanted, raw.device)],
                                       [states[i].params.logprobs for i in wanted],
-                                      normalize=self.logprobs_mode.endswith("logprobs"))
+                                      normalize=self.logprobs_mode.endswith("logprobs"),
+                                      invariant=self.batch_invariant)
             result.logprobs = [None] * len(states)
             for i, entry in zip(wanted, entries):
                 result.logprobs[i] = entry
@@ -182,11 +185,16 @@ def _processed_values(x: torch.Tensor, states: list[RequestState], rows: list[in
     return out
 
 
-def logprob_entries(logits: torch.Tensor, tokens: torch.Tensor, counts: list[int], normalize: bool = True):
+def logprob_entries(logits: torch.Tensor, tokens: torch.Tensor, counts: list[int], normalize: bool = True,
+                    invariant: bool = False):
     """Per row {token id: (logprob, rank)}: the row's top `count` tokens of log_softmax(logits)
     (or of the logits themselves when not `normalize`) plus the given token, rank 1 the most
-    likely."""
-    logp = torch.log_softmax(logits.float(), dim=-1) if normalize else logits.float()
+    likely. `invariant`: batch_invariant.log_softmax, a row's value whatever the other rows."""
+    if normalize:
+        log_softmax = bi.log_softmax if invariant else (lambda x: torch.log_softmax(x, dim=-1))
+        logp = log_softmax(logits.float())
+    else:
+        logp = logits.float()
     chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
     ranks = (logp > chosen.unsqueeze(1)).sum(dim=1) + 1
     kmax = min(max(counts), logp.shape[-1])

@@ -33,7 +33,8 @@ class ModelRunner:
         self.pp_group = pp_group
         self.broadcast_sampled_tokens = broadcast_sampled_tokens
         self.model = None
-        self.sampler = Sampler(config.model_config.logprobs_mode)
+        self.batch_invariant = config.model_config.batch_invariant
+        self.sampler = Sampler(config.model_config.logprobs_mode, batch_invariant=self.batch_invariant)
         self.block_size = config.cache_config.block_size
         self.num_blocks = 0
         self.block_tables: dict[str, list[int]] = {}
@@ -51,8 +52,10 @@ class ModelRunner:
         mc = self.config.model_config
         self.model = load_model(mc.model_dir, self.tp_group, self.pp_group, dtype=mc.dtype,
                                 device=self.device, pp_partition=mc.pp_partition,
-                                load_format=mc.load_format, **self.moe_groups)
-        if packing_applies(self.model.dtype, self.device):
+                                load_format=mc.load_format, batch_invariant=mc.batch_invariant, **self.moe_groups)
+        # oneDNN's packed matmul picks its blocking by the row count (not batch-invariant), and a
+        # trainer's dense weights must meet the same kernel: no packing in batch-invariant mode.
+        if not mc.batch_invariant and packing_applies(self.model.dtype, self.device):
             packed = pack_linear_weights(self.model, batch_hint=self.config.scheduler_config.max_num_seqs)
             logger.debug("%d linear weights packed for oneDNN", packed)
         if mc.enable_return_routed_experts:
@@ -189,7 +192,8 @@ class ModelRunner:
         # the raw values (log_softmax, or the logits themselves in the *_logits modes).
         entries = logprob_entries(self.model.compute_logits(hidden[rows]), targets,
                                   [w[3] for w in wanted for _ in w[1]],
-                                  normalize=self.sampler.logprobs_mode.endswith("logprobs"))
+                                  normalize=self.sampler.logprobs_mode.endswith("logprobs"),
+                                  invariant=self.batch_invariant)
         result, start = {}, 0
         for rid, rows_of, _, _ in wanted:
             result[rid] = entries[start:start + len(rows_of)]
@@ -227,7 +231,8 @@ class ModelRunner:
             lens.append(n)
             tables.append(table)
             prefill += max(0, min(s.context_len + n, self.prompt_lens.get(s.request_id, 0)) - s.context_len)
-        attn = AttentionMetadata.build(context, lens, tables, self.block_size, self.device)
+        attn = AttentionMetadata.build(context, lens, tables, self.block_size, self.device,
+                                       invariant=self.batch_invariant)
         ids = attn.pack([s.token_ids for s in out.seqs])
         # The last token of each sampling request, in schedule order, wherever packing put it.
         sample_index = [attn.row_start[i] + lens[i] - 1 for i, s in enumerate(out.seqs) if s.sample]

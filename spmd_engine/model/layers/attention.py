@@ -14,6 +14,11 @@ later chunks, prefix-cache hits) gather their blocks and attend under a
 position mask. Within each kind, requests of similar query length share a
 group, padded to its longest, so one long prompt does not pad every decode
 to its length.
+
+In batch-invariant mode (`invariant=True`) every query instead reads its keys from the cache
+(its own new ones included, written first) in tiles that batch_invariant.attention computes
+the same way whatever else is in the step: a prompt whole, in chunks, or after a prefix hit,
+and a decode token, all meet one recipe.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from spmd_engine.model.layers import batch_invariant as bi
 
 PAD_LIMIT = 1.25  # a group's padded queries may exceed its real ones by at most this factor
 
@@ -53,6 +60,40 @@ class RowGroup:
 
 
 @dataclass
+class InvariantTiles:
+    """The step's queries cut into tiles of bi.QUERY_TILE tokens of one request each."""
+
+    index: torch.Tensor  # [n, QUERY_TILE] packed token of each tile slot; N (a zero row) for padding
+    q_pos: torch.Tensor  # [n, QUERY_TILE] its position (padding: 0)
+    slots: torch.Tensor  # [n, L] cache slot of the tile's request's key at each position (past it: 0)
+    unpack: torch.Tensor  # [N] where each packed token sits in the flattened tiles
+
+    @classmethod
+    def build(cls, context_lens, query_lens, row_start, table: torch.Tensor, block_size: int, device):
+        qt = bi.QUERY_TILE
+        req, first = [], []
+        for b, n in enumerate(query_lens):
+            for j in range(0, n, qt):
+                req.append(b)
+                first.append(j)
+        req_t, first_t = torch.tensor(req, dtype=torch.long), torch.tensor(first, dtype=torch.long)
+        offset = first_t.view(-1, 1) + torch.arange(qt).view(1, -1)  # [n, qt] index in the request's queries
+        qlen, ctx = torch.tensor(list(query_lens))[req_t], torch.tensor(list(context_lens))[req_t]
+        real = offset < qlen.view(-1, 1)
+        total = sum(query_lens)
+        index = torch.where(real, torch.tensor(list(row_start))[req_t].view(-1, 1) + offset, total)
+        q_pos = torch.where(real, ctx.view(-1, 1) + offset, 0)
+        seq_len = ctx + qlen
+        length = bi.padded_keys(int(seq_len.max()))
+        pos = torch.arange(length)
+        blocks = table[req_t][:, (pos // block_size).clamp(max=table.shape[1] - 1)]
+        slots = torch.where(pos.view(1, -1) < seq_len.view(-1, 1), blocks * block_size + pos % block_size, 0)
+        unpack = torch.empty(total, dtype=torch.long)
+        unpack[index[real]] = torch.arange(index.numel()).view(index.shape)[real]
+        return cls(index.to(device), q_pos.to(device), slots.to(device), unpack.to(device))
+
+
+@dataclass
 class AttentionMetadata:
     """What every layer needs to write and read the cache in one step; built once per step.
 
@@ -68,10 +109,12 @@ class AttentionMetadata:
     row_order: list[int]  # the requests (scheduler rows) in packed order
     row_start: list[int]  # where each request's tokens start in the packed step, by scheduler row
     query_lens: list[int]
+    tiles: InvariantTiles | None = None  # batch-invariant mode: the one attention recipe
 
     @classmethod
     def build(cls, context_lens: Sequence[int], query_lens: Sequence[int],
-              block_tables: Sequence[Sequence[int]], block_size: int, device) -> "AttentionMetadata":
+              block_tables: Sequence[Sequence[int]], block_size: int, device,
+              invariant: bool = False) -> "AttentionMetadata":
         """From each request's cached length, new-token count and block table (scheduler order)."""
         B = len(query_lens)
         fresh = [b for b in range(B) if context_lens[b] == 0]
@@ -90,10 +133,13 @@ class AttentionMetadata:
                                       torch.tensor([query_lens[b] for b in order], dtype=torch.long))
         pos = torch.arange(n) - torch.tensor(row_start)[row] + torch.tensor(context_lens, dtype=torch.long)[row]
         slots = table[row, pos // block_size] * block_size + pos % block_size
-        groups = [_group(rows, row_start, context_lens, query_lens, table if is_cached else None, block_size,
-                         device) for rows, is_cached in buckets]
+        tiles = InvariantTiles.build(context_lens, query_lens, row_start, table, block_size, device) \
+            if invariant else None
+        groups = [] if invariant else [
+            _group(rows, row_start, context_lens, query_lens, table if is_cached else None, block_size, device)
+            for rows, is_cached in buckets]
         return cls(slot_mapping=slots.to(device), groups=groups, num_tokens=n, positions=pos.to(device),
-                   row_order=order, row_start=row_start, query_lens=list(query_lens))
+                   row_order=order, row_start=row_start, query_lens=list(query_lens), tiles=tiles)
 
     def pack(self, per_row: Sequence):
         """Per-request sequences (lists or tensors, scheduler order) -> one packed list/tensor."""
@@ -153,6 +199,8 @@ class Attention(nn.Module):
     row (training, references); returns [B, T, num_heads * D].
     """
 
+    batch_invariant = False  # without a cache: batch_invariant.causal_attention
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         super().__init__()
         if num_heads % num_kv_heads:
@@ -175,6 +223,8 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttentionMetadata | None):
         if attn is None:
             B, T = q.shape[:2]
+            if self.batch_invariant:
+                return bi.causal_attention(q, k, v, self.scale).reshape(B, T, self.num_heads * self.head_dim)
             return self._causal(q, k, v).reshape(B, T, self.num_heads * self.head_dim)
         if self.k_cache is None:
             raise RuntimeError("KV cache not allocated: the model runner allocates it before the first step")
@@ -182,9 +232,19 @@ class Attention(nn.Module):
         if attn.slot_mapping is not None:  # None: a dummy step (DP waves) writes nothing
             self.k_cache.view(-1, self.num_kv_heads, D).index_copy_(0, attn.slot_mapping, k)
             self.v_cache.view(-1, self.num_kv_heads, D).index_copy_(0, attn.slot_mapping, v)
+        if attn.tiles is not None:
+            return self._attend_tiles(q, attn.tiles).reshape(attn.num_tokens, self.num_heads * D)
         outs = [self._attend(q[g.start:g.end], k[g.start:g.end], v[g.start:g.end], g) for g in attn.groups]
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out.reshape(attn.num_tokens, self.num_heads * D)
+
+    def _attend_tiles(self, q: torch.Tensor, tiles: InvariantTiles) -> torch.Tensor:
+        D, kv = self.head_dim, self.num_kv_heads
+        qx = torch.cat([q, q.new_zeros(1, *q.shape[1:])])[tiles.index]  # [n, tile, heads, D]
+        keys = self.k_cache.view(-1, kv, D)[tiles.slots]  # [n, L, kv, D]
+        values = self.v_cache.view(-1, kv, D)[tiles.slots]
+        out = bi.attention(qx, keys, values, tiles.q_pos, self.scale)
+        return out.reshape(-1, self.num_heads, D)[tiles.unpack]
 
     def _causal(self, q, k, v) -> torch.Tensor:
         group = self.num_heads // self.num_kv_heads

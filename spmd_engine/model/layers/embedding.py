@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from spmd_engine.model.layers import batch_invariant as bi
 from spmd_engine.model.layers.packed_weights import linear
 from spmd_engine.model.shard import Loaded, check_shape, copy_into, read_range
 
@@ -73,11 +74,12 @@ class ParallelLMHead(VocabParallelEmbedding):
     """
 
     packable_weight = True  # see packed_weights.py
+    batch_invariant = False
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # pragma: no cover - guard
         raise RuntimeError("ParallelLMHead is used through compute_logits(hidden)")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = linear(hidden, self.weight)
+        local = (bi.linear if self.batch_invariant else linear)(hidden, self.weight)
         full = self.group.all_gather(local, dim=-1)
         return full[..., : self.vocab_size].float()

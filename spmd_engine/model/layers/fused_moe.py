@@ -32,6 +32,12 @@ results are weighted and added back per token in expert order (HF's order).
 On CPU each expert's two matrices are also kept packed for oneDNN
 (packed_weights.py: faster matmuls at decode sizes, bitwise equal in bf16); the packs cost a second copy of the expert weights and are rebuilt
 after any write through `weight_loader`.
+
+In batch-invariant mode (`batch_invariant`) each (token, expert) pair's down projection is
+batch_invariant's chunked tree, its partial sums combined over the group by an all-gather and
+the same tree (an EP rank's pairs of other ranks' experts are exact zeros), and a token's k
+weighted outputs are added in routing order: no result depends on the other tokens, on how
+they group by expert, or on TP / EP.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from spmd_engine.model.layers import batch_invariant as bi
 from spmd_engine.model.layers.packed_weights import linear
 from spmd_engine.model.shard import Loaded, check_shape, copy_into, divide, read_range
 
@@ -48,6 +55,8 @@ EXPERT_PARTS = ("w1", "w3", "w2")
 
 
 class FusedMoE(nn.Module):
+    batch_invariant = False
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, group,
                  expert_parallel: bool = False, dispatch_group=None, dtype: torch.dtype | None = None):
         super().__init__()
@@ -119,11 +128,24 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H] this rank's tokens, `weights`/`ids` [T, k] their routing -> [T, H] (all experts)."""
+        combine = self.invariant_combine if self.batch_invariant else self.reduce
         if self.dispatch_group is None:
-            return self.group.all_reduce(self.compute(x, weights, ids))
+            return combine(x, weights, ids)
         x_all, weights_all, ids_all, row = dispatch(self.dispatch_group, x, weights, ids)
-        y = self.group.all_reduce(self.compute(x_all, weights_all, ids_all))
+        y = combine(x_all, weights_all, ids_all)
         return y[row:row + x.shape[0]]
+
+    def reduce(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(self.compute(x, weights, ids))
+
+    def invariant_combine(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        width_split = 1 if self.expert_parallel else self.group.world_size
+        pairs = invariant_pair_outputs(x, ids, self.w13_weight, self.w2_weight, self.first_expert, width_split)
+        y = bi.gather_tree(pairs, self.group).view(*ids.shape, -1)  # [T, k, H]
+        out = torch.zeros_like(x)
+        for j in range(ids.shape[1]):
+            out = out + (y[:, j] * weights[:, j:j + 1]).to(x.dtype)
+        return out
 
     def compute(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's share: its experts (or its width slice of all) over the tokens routed to them."""
@@ -158,6 +180,28 @@ def expert_outputs(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1
             start += count
     scaled = (out * weights.reshape(-1)[pairs].unsqueeze(1)).to(x.dtype)
     return torch.zeros_like(x).index_add_(0, token_of, scaled)
+
+
+def invariant_pair_outputs(x: torch.Tensor, ids: torch.Tensor, w13, w2, first_expert: int,
+                           width_split: int) -> torch.Tensor:
+    """[T * k, H]: pair (t, j)'s expert output if this rank holds expert ids[t, j] (its subtree of
+    the down projection when the width is split over `width_split` ranks), else zeros."""
+    tokens, k = ids.shape
+    local = ids.reshape(-1) - first_expert
+    held = ((local >= 0) & (local < len(w13))).nonzero().squeeze(1)
+    order = torch.argsort(local[held], stable=True)
+    pairs = held[order]
+    counts = torch.bincount(local[held], minlength=len(w13)).tolist()
+    xs = x[torch.div(pairs, k, rounding_mode="floor")]
+    out = x.new_zeros(tokens * k, x.shape[-1])
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            rows = slice(start, start + count)
+            gate, up = bi.linear(xs[rows], w13[expert]).chunk(2, dim=-1)
+            out[pairs[rows]] = bi.partial_tree(bi.silu(gate) * up, w2[expert], width_split)
+            start += count
+    return out
 
 
 def dispatch(group, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):

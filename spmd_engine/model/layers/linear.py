@@ -13,6 +13,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from spmd_engine.model.layers import batch_invariant as bi
 from spmd_engine.model.layers.packed_weights import linear
 from spmd_engine.model.shard import (
     Loaded,
@@ -37,6 +38,7 @@ class ColumnParallelLinear(nn.Module):
     """
 
     packable_weight = True  # see packed_weights.py
+    batch_invariant = False  # CausalLM(batch_invariant=True) sets it: batch_invariant.py's kernels
 
     def __init__(
         self,
@@ -62,7 +64,7 @@ class ColumnParallelLinear(nn.Module):
         return f"in={self.input_size}, out_per_rank={self.output_size_per_rank}, tp={self.tp_size}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.bias)
+        y = (bi.linear if self.batch_invariant else linear)(x, self.weight, self.bias)
         return self.group.all_gather(y, dim=-1) if self.gather_output else y
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id=None) -> None:
@@ -154,6 +156,7 @@ class RowParallelLinear(nn.Module):
     """
 
     packable_weight = True
+    batch_invariant = False  # a fixed chunked reduction tree instead of the all-reduce
 
     def __init__(self, input_size: int, output_size: int, group, bias: bool = False,
                  dtype: torch.dtype | None = None):
@@ -171,7 +174,10 @@ class RowParallelLinear(nn.Module):
         return f"in_per_rank={self.input_size_per_rank}, out={self.output_size}, tp={self.tp_size}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.group.all_reduce(linear(x, self.weight))
+        if self.batch_invariant:
+            y = bi.row_parallel_linear(x, self.weight, self.group)
+        else:
+            y = self.group.all_reduce(linear(x, self.weight))
         return y + self.bias if self.bias is not None else y
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id=None) -> None:

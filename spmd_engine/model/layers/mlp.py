@@ -11,10 +11,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from spmd_engine.model.layers import batch_invariant as bi
 from spmd_engine.model.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 
 
 class SwiGLUMLP(nn.Module):
+    batch_invariant = False  # silu through batch_invariant.pointwise
+
     def __init__(self, hidden_size: int, intermediate_size: int, group, bias: bool = False,
                  dtype: torch.dtype | None = None):
         super().__init__()
@@ -24,4 +27,5 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        silu = bi.silu if self.batch_invariant else F.silu
+        return self.down_proj(silu(gate) * up)

@@ -11,16 +11,21 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from spmd_engine.model.layers import batch_invariant as bi
 from spmd_engine.model.shard import replicated_weight_loader
 
 
 class RMSNorm(nn.Module):
+    batch_invariant = False  # batch_invariant.rms_norm: the row's sum in a fixed order
+
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:
+            return bi.rms_norm(x, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)

@@ -68,6 +68,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class RotaryEmbedding(nn.Module):
+    batch_invariant = False  # cos / sin through batch_invariant.pointwise
+
     """RoPE for q and k of shape [..., T, heads, head_dim] given positions [..., T].
 
     A model computes `cos_sin` once per forward step and every layer applies
@@ -87,6 +89,9 @@ class RotaryEmbedding(nn.Module):
             inv_freq = self._on_device.setdefault(positions.device, self._inv_freq.to(positions.device))
         angles = positions.float().unsqueeze(-1) * inv_freq  # [..., T, head_dim / 2]
         angles = torch.cat((angles, angles), dim=-1).unsqueeze(-2)  # [..., T, 1, head_dim]
+        if self.batch_invariant:
+            from spmd_engine.model.layers.batch_invariant import pointwise
+            return pointwise(torch.cos, angles).to(dtype), pointwise(torch.sin, angles).to(dtype)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):

@@ -116,7 +116,9 @@ class CausalLM(CausalLMWeights, nn.Module):
     stage embeds `input_ids`, later stages continue from `intermediate`; a
     non-last stage returns {"hidden_states", "residual"} for the next stage,
     the last returns {"hidden_states"} after the final norm, which
-    `compute_logits` turns into full-vocabulary float32 logits. With `record_routing()` both
+    `compute_logits` turns into full-vocabulary float32 logits. With `batch_invariant` every
+    layer uses batch_invariant.py's kernels: a row's result depends on that row alone (any
+    batch, cache state, TP size), and a forward without a cache is a trainer's (autograd). With `record_routing()` both
     also carry "routed_experts", the sparse layers' expert ids so far (routing replay).
 
     MoE layers shard their experts over `moe_group` (default: the TP group):
@@ -128,7 +130,7 @@ class CausalLM(CausalLMWeights, nn.Module):
 
     def __init__(self, hf_config: Mapping[str, Any], tp_group, pp_group, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", pp_partition: str | None = None, moe_group=None,
-                 expert_parallel: bool = False, dispatch_group=None):
+                 expert_parallel: bool = False, dispatch_group=None, batch_invariant: bool = False):
         super().__init__()
         moe_group = moe_group if moe_group is not None else tp_group
         spec = check_model_parallel(hf_config, tp_group.world_size, pp_group.world_size,
@@ -147,6 +149,10 @@ class CausalLM(CausalLMWeights, nn.Module):
             self.lm_head = (ParallelLMHead(spec.vocab_size, spec.hidden_size, tp_group, dtype=dtype)
                             if self.is_last_stage else None)
         self.tie_weights()
+        self.batch_invariant = batch_invariant
+        for module in self.modules():  # the layers with a batch-invariant form (batch_invariant.py)
+            if hasattr(type(module), "batch_invariant") and module is not self:
+                module.batch_invariant = batch_invariant
 
     # ---- shape facts the worker needs to size the KV cache ----
     @property

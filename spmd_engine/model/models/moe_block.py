@@ -16,6 +16,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from spmd_engine.model.layers import batch_invariant as bi
 from spmd_engine.model.layers.fused_moe import FusedMoE
 from spmd_engine.model.layers.mlp import SwiGLUMLP
 from spmd_engine.model.layers.moe_routing import route
@@ -32,16 +33,19 @@ class ReplicatedLinear(nn.Module):
 
     weight_loader = staticmethod(replicated_weight_loader)
     packable_weight = True
+    batch_invariant = False
 
     def __init__(self, input_size: int, output_size: int, dtype: torch.dtype | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
+        return (bi.linear if self.batch_invariant else linear)(x, self.weight)
 
 
 class SparseMoeBlock(nn.Module):
+    batch_invariant = False  # the shared expert's gate through batch_invariant.pointwise
+
     def __init__(self, spec: ModelSpec, tp_group, moe_group, expert_parallel: bool, dispatch_group=None,
                  dtype: torch.dtype | None = None):
         super().__init__()
@@ -69,7 +73,8 @@ class SparseMoeBlock(nn.Module):
             self.routed_ids = ids
         out = self.experts(x, weights, ids)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            sigmoid = (lambda v: bi.pointwise(torch.sigmoid, v)) if self.batch_invariant else torch.sigmoid
+            out = out + sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out.view(*lead, -1)
 
 
