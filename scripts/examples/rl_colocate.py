@@ -54,6 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-weight-sync", action="store_true",
                    help="negative control: never push the trainer's weights to the engine")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="the engine in batch-invariant mode and, as trainer, the engine's own model "
+                        "(spmd_engine.model.trainer): trainer and engine logprobs equal bit for bit")
     return p.parse_args(argv)
 
 
@@ -78,7 +81,8 @@ def token_logprobs(model, prompt_ids: list[list[int]], completions: list[list[in
     for i, (p, c) in enumerate(zip(prompt_ids, completions)):
         ids[i, : lengths[i]] = torch.tensor(p + c)
     logits = model(input_ids=ids[:, :-1]).logits  # right padding: causal attention ignores it
-    all_logprobs = torch.log_softmax(logits.float(), dim=-1).gather(2, ids[:, 1:, None]).squeeze(2)
+    log_softmax = getattr(model, "log_softmax", lambda x: torch.log_softmax(x, dim=-1))
+    all_logprobs = log_softmax(logits.float()).gather(2, ids[:, 1:, None]).squeeze(2)
     width = max(len(c) for c in completions)
     out = torch.zeros(len(lengths), width)
     mask = torch.zeros(len(lengths), width)
@@ -86,6 +90,39 @@ def token_logprobs(model, prompt_ids: list[list[int]], completions: list[list[in
         out[i, : len(c)] = all_logprobs[i, len(p) - 1 : len(p) - 1 + len(c)]
         mask[i, : len(c)] = 1
     return out, mask
+
+
+class BatchInvariantTrainer(torch.nn.Module):
+    """The engine's own model as the trainer (spmd_engine.model.trainer): its logprobs take the
+    batch-invariant kernels the engine runs in that mode, so they equal the engine's bit for
+    bit. Called as transformers' model is here (`input_ids=` -> `.logits`); gradients are
+    averaged over the world by hand (DDP would need its own forward)."""
+
+    def __init__(self, path):
+        super().__init__()
+        from spmd_engine.model.trainer import trainer_model
+        self.model = trainer_model(path)
+
+    def forward(self, input_ids):
+        from types import SimpleNamespace
+        positions = torch.arange(input_ids.shape[1]).expand(input_ids.shape[0], -1)
+        hidden = self.model.forward(input_ids, positions, None)["hidden_states"]
+        return SimpleNamespace(logits=self.model.compute_logits(hidden))
+
+    @staticmethod
+    def log_softmax(logits):
+        from spmd_engine.model.layers import batch_invariant as bi
+        return bi.log_softmax(logits)
+
+    def state_dict(self, *args, **kwargs):
+        from spmd_engine.model.trainer import hf_named_parameters
+        return dict(hf_named_parameters(self.model))
+
+    def average_gradients(self) -> None:
+        for param in self.model.parameters():
+            if param.grad is not None:
+                dist.all_reduce(param.grad)
+                param.grad /= dist.get_world_size()
 
 
 def engine_logprobs(completions, shape) -> torch.Tensor:
@@ -122,11 +159,15 @@ def main(argv=None) -> list[float]:
     torch.manual_seed(args.seed)
     path = ModelConfig(model=None).model_dir  # the bundled model
 
-    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
-    trainer = DistributedDataParallel(model)  # CPU + gloo: gradients all-reduced over the 4 ranks
+    if args.batch_invariant:
+        trainer = model = BatchInvariantTrainer(path)
+    else:
+        model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+        trainer = DistributedDataParallel(model)  # CPU + gloo: gradients all-reduced over the 4 ranks
     optimizer = torch.optim.Adam(trainer.parameters(), lr=args.lr)
     llm = LLM(model=path, tensor_parallel_size=TP, distributed_executor_backend="external_launcher",
-              seed=args.seed + replica, enable_sleep_mode=True, max_model_len=64)
+              seed=args.seed + replica, enable_sleep_mode=True, max_model_len=64,
+              batch_invariant=args.batch_invariant)
     engine_model = llm.llm_engine.model_executor.driver_worker.model_runner.model
 
     first = replica * args.prompts_per_replica
@@ -150,6 +191,8 @@ def main(argv=None) -> list[float]:
         loss = -(advantages[mine] * per_sample).mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()  # DDP averages the gradients over every rank's samples
+        if args.batch_invariant:
+            model.average_gradients()
         optimizer.step()
 
         llm.wake_up(tags=["weights"])
@@ -167,7 +210,7 @@ def main(argv=None) -> list[float]:
         curve.append(round(reward, 4))
         if rank == 0:
             print(f"step {step:2d}  policy {outs[0].weight_version}  mean reward {reward:6.3f}  "
-                  f"max |trainer - engine logprob| {diff:.2e}  ({replicas} replicas x {len(samples)} samples)",
+                  f"max |trainer - engine logprob| {diff:.3g}  ({replicas} replicas x {len(samples)} samples)",
                   flush=True)
     if rank == 0:
         print("REWARD_CURVE " + json.dumps(curve), flush=True)

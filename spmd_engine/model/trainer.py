@@ -40,3 +40,29 @@ def token_logprobs(model: CausalLM, sequences: list[list[int]]) -> list[torch.Te
     logp = bi.log_softmax(model.compute_logits(hidden[:, :-1]))
     picked = logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     return [picked[i, :len(s) - 1] for i, s in enumerate(sequences)]
+
+
+def hf_named_parameters(model: CausalLM) -> list[tuple[str, torch.Tensor]]:
+    """The trainer model's weights under HF names and shapes (detached views), what the engine's
+    `load_weights` takes: fused q/k/v and gate/up split back, the vocabulary's padding dropped,
+    a tied head given once (as the embedding). A whole dense model on one rank only."""
+    from spmd_engine.model.weights import hf_tensor_shapes
+    if model.spec.moe:
+        raise ValueError("hf_named_parameters: dense models only (MoE experts are not exported)")
+    shapes = hf_tensor_shapes(model.spec)
+    spec = model.spec
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    offsets = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv),
+               0: (0, spec.intermediate_size), 1: (spec.intermediate_size, spec.intermediate_size)}
+    out = {}
+    for hf_name, param_name, shard_id in model.checkpoint_tensors():
+        if hf_name in out:
+            continue
+        tensor = model.get_parameter(param_name).detach()
+        if shard_id is not None:
+            start, size = offsets[shard_id]
+            tensor = tensor.narrow(0, start, size)
+        for dim, n in enumerate(shapes[hf_name]):
+            tensor = tensor.narrow(dim, 0, n)
+        out[hf_name] = tensor
+    return list(out.items())
