@@ -70,7 +70,7 @@ import bench_rpc_transport  # noqa: E402
 from make_random_checkpoint import make_random_checkpoint  # noqa: E402
 
 FIGURES = ("rpc", "allreduce", "decode", "capacity", "prefix", "chunked", "tp", "tp4", "pp", "mixed", "startup", "load",
-           "moe", "wave", "sampling")
+           "moe", "wave", "sampling", "batch_invariant")
 LLAMA_SHAPE = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2, intermediate_size=1536,
                    vocab_size=32000, max_position_embeddings=8192)
 QWEN3_MOE_SHAPE = dict(architecture="Qwen3MoeForCausalLM", hidden_size=512, num_layers=8, num_heads=8,
@@ -665,6 +665,42 @@ def fig_mixed(args) -> None:
         llm.shutdown()
 
 
+# ---------------------------------------------------------------- batch_invariant
+def fig_batch_invariant(args) -> None:
+    """Issue 24's cost: batch-invariant mode against the default mode, same model, same run, in
+    float32 and bfloat16 (each machine's native one is the figure to judge by): decode B=8 x 64
+    new tokens, and the mixed 64-request batch. Target: ratio >= 0.5."""
+    import torch
+
+    from spmd_engine import LLM, SamplingParams
+    model_dir = random_llama(args)
+    new = 16 if args.quick else 64
+    decode = prompts_for(8, 32, LLAMA_SHAPE["vocab_size"])
+    mixed = mixed_prompts(16 if args.quick else 64, LLAMA_SHAPE["vocab_size"])
+    sp = SamplingParams(max_tokens=new, ignore_eos=True)
+    for dtype in ("float32", "bfloat16"):
+        rates = {}
+        for invariant in (False, True):
+            llm = LLM(model=model_dir, dtype=dtype, distributed_executor_backend="uni", batch_invariant=invariant)
+            try:
+                llm.generate(decode[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+                for name, prompts in (("decode_b8", decode), ("mixed", mixed)):
+                    runs = []
+                    for _ in range(1 if args.quick else args.reps):
+                        t = time.perf_counter()
+                        llm.generate(prompts, sp)
+                        runs.append(len(prompts) * new / (time.perf_counter() - t))
+                    rates[name, invariant] = statistics.median(runs)
+            finally:
+                llm.shutdown()
+        for name in ("decode_b8", "mixed"):
+            v, b = rates[name, True], rates[name, False]
+            emit(f"batch_invariant_{name}_tokens_per_s_{dtype}", v, b, v / b, "tokens/s",
+                 ratio_is="batch-invariant / default mode; target >= 0.5", new_tokens=new,
+                 requests=len(decode if name == "decode_b8" else mixed), reps=1 if args.quick else args.reps,
+                 threads=torch.get_num_threads(), loadavg_1m=loadavg())
+
+
 # ---------------------------------------------------------------- startup
 def torchrun(nproc: int, argv: list[str], env: dict | None = None, timeout: float = 600):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), *argv]
@@ -886,7 +922,7 @@ def main() -> None:
     table = {"rpc": fig_rpc, "allreduce": fig_allreduce, "decode": fig_decode, "capacity": fig_capacity,
              "prefix": fig_prefix, "chunked": fig_chunked, "tp": fig_tp,
              "tp4": lambda a: fig_tp(a, 4), "pp": fig_pp, "mixed": fig_mixed, "startup": fig_startup, "load": fig_load,
-             "moe": fig_moe, "wave": fig_wave, "sampling": fig_sampling}
+             "moe": fig_moe, "wave": fig_wave, "sampling": fig_sampling, "batch_invariant": fig_batch_invariant}
     for name in FIGURES:
         if name in chosen:
             table[name](args)
