@@ -6,6 +6,8 @@ fails with one line in a second, not after every rank has loaded its shard.
 
 from __future__ import annotations
 
+import os
+
 from spmd_engine.config import ConfigError
 
 
@@ -14,20 +16,23 @@ class InputProcessor:
         """max_model_len defaults to the model's max_position_embeddings, as in vLLM; only the KV
         budget limits it (an error naming the numbers when one such sequence cannot fit)."""
         from spmd_engine.model.loader import read_hf_config
+        from spmd_engine.model.spec import ModelSpec
         from spmd_engine.model.tokenizer import load_tokenizer
         self.hf_config = read_hf_config(model_dir)
+        # Every field checked (one line naming config.json) before any is used here.
+        spec = ModelSpec.from_hf_config(self.hf_config, os.path.join(model_dir, "config.json"))
         try:
             self.tokenizer, self._tokenizer_error = load_tokenizer(model_dir), None
         except ConfigError as exc:  # token-id prompts still work without one
             self.tokenizer, self._tokenizer_error = None, exc
-        positions = int(self.hf_config.get("max_position_embeddings", DEFAULT_POSITIONS))
+        positions = spec.max_position_embeddings
         if max_model_len is not None and max_model_len < 1:
             raise ConfigError(f"max_model_len must be at least 1, got {max_model_len}")
         if max_model_len is not None and max_model_len > positions:
             raise ConfigError(f"max_model_len ({max_model_len}) exceeds the model's "
                               f"max_position_embeddings ({positions})")
         self.max_model_len = max_model_len or positions
-        self.vocab_size = int(self.hf_config["vocab_size"])
+        self.vocab_size = spec.vocab_size
         self.eos_token_ids = eos_token_ids(model_dir, self.hf_config, self.tokenizer)
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
 
@@ -77,7 +82,6 @@ class InputProcessor:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
-DEFAULT_POSITIONS = 2048  # a config.json without max_position_embeddings (as model.spec reads it)
 PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 

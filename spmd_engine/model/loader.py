@@ -85,14 +85,6 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
     return mapping
 
 
-def check_checkpoint(model_dir: str | os.PathLike) -> None:
-    """Open every checkpoint file's header (cheap: no tensor data) so a missing or
-    corrupt file fails before any process starts, with the file's name."""
-    for file in sorted(set(checkpoint_files(Path(model_dir)).values())):
-        with _open(file):
-            pass
-
-
 def _open(file: Path):
     if not file.is_file():
         raise ConfigError(f"checkpoint file {file} not found")

@@ -18,6 +18,13 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 # Architectures whose attention RMS-normalises q and k per head before RoPE.
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+# Widths past this are a typo, not a model (the largest released are near 2**14 hidden and
+# 2**16 intermediate): refused here, naming the field, instead of failing later as a KV budget
+# or an allocation nobody can read back to config.json.
+MAX_WIDTH = 1 << 20
+MAX_VOCAB = 1 << 24
+# The weight dtypes a config may declare (HF's names; "torch." prefixes allowed).
+CONFIG_DTYPES = ("float32", "float", "bfloat16", "float16", "half")
 
 
 @dataclass(frozen=True)
@@ -49,10 +56,12 @@ class ModelSpec:
     def from_hf_config(cls, cfg: Mapping[str, Any], source: str = "config.json") -> "ModelSpec":
         arch = architecture_of(cfg, source)
 
-        def need(key: str) -> int:
+        def need(key: str, most: int | None = None) -> int:
             value = cfg.get(key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{source}: '{key}' must be a positive integer, got {value!r}")
+            if most is not None and value > most:
+                raise ConfigError(f"{source}: '{key}' {value} is absurd (more than {most})")
             return value
 
         def positive(key: str, default: float) -> float:
@@ -61,7 +70,8 @@ class ModelSpec:
                 raise ConfigError(f"{source}: '{key}' must be a positive number, got {value!r}")
             return value
 
-        hidden, heads = need("hidden_size"), need("num_attention_heads")
+        hidden, heads = need("hidden_size", MAX_WIDTH), need("num_attention_heads")
+        _check_dtype(cfg, source)
         kv_heads = cfg.get("num_key_value_heads") or heads
         head_dim = cfg.get("head_dim") or hidden // heads
         if hidden % heads and not cfg.get("head_dim"):
@@ -86,9 +96,9 @@ class ModelSpec:
             window = None
         return cls(
             architecture=arch,
-            vocab_size=need("vocab_size"),
+            vocab_size=need("vocab_size", MAX_VOCAB),
             hidden_size=hidden,
-            intermediate_size=need("intermediate_size"),
+            intermediate_size=need("intermediate_size", MAX_WIDTH),
             num_layers=need("num_hidden_layers"),
             num_heads=heads,
             num_kv_heads=int(kv_heads),
@@ -171,7 +181,9 @@ def _rope(cfg: Mapping[str, Any], source: str) -> tuple[float, Mapping[str, Any]
     """(theta, scaling) from either the classic keys (`rope_theta`, `rope_scaling`)
     or the newer `rope_parameters` dict that recent transformers writes."""
     params = cfg.get("rope_parameters") or {}
-    theta = float(cfg.get("rope_theta", params.get("rope_theta", 10000.0)))
+    theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < float("inf"):
+        raise ConfigError(f"{source}: 'rope_theta' must be a positive number, got {theta!r}")
     scaling = cfg.get("rope_scaling") or (params if rope_type_of(params) != "default" else None)
     kind = rope_type_of(scaling)
     if kind not in SUPPORTED_ROPE_TYPES:
@@ -183,4 +195,13 @@ def _rope(cfg: Mapping[str, Any], source: str) -> tuple[float, Mapping[str, Any]
     for key in required.get(kind, ()):
         if key not in scaling:
             raise ConfigError(f"{source}: rope_scaling of type {kind!r} needs '{key}'")
-    return theta, scaling
+    return float(theta), scaling
+
+
+def _check_dtype(cfg: Mapping[str, Any], source: str) -> None:
+    """`torch_dtype` (or the newer `dtype`) names the weights' float type; anything else (an
+    int type, a typo) would silently load as float32."""
+    key = "torch_dtype" if "torch_dtype" in cfg else "dtype"
+    value = cfg.get(key)
+    if value is not None and str(value).removeprefix("torch.") not in CONFIG_DTYPES:
+        raise ConfigError(f"{source}: '{key}' {value!r} is not a float dtype ({', '.join(CONFIG_DTYPES)})")

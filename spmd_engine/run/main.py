@@ -111,9 +111,9 @@ def check_model_and_job(args, job) -> "EngineSetup":
     """The engine's configuration (the model against the layout, the KV budget), the
     checkpoint's headers, then every input against the model: before any process starts."""
     from spmd_engine.engine.arg_utils import EngineArgs
-    from spmd_engine.model.loader import check_checkpoint
+    from spmd_engine.model.checkpoint_check import check_checkpoint
     setup = EngineArgs.from_cli_args(args).create_engine_config()
-    check_checkpoint(setup.config.model_config.model_dir)
+    check_checkpoint(setup.config.model_config.model_dir, setup.spec)
     job.check(setup)
     return setup
 
