@@ -187,7 +187,8 @@ def read_launch_env(environ: Mapping[str, str]) -> LaunchEnv | None:
     else:
         return None
     if env.world_size < 1 or not 0 <= env.rank < env.world_size:
-        raise ConfigError(f"{env.source} launch: rank {env.rank} is outside world size {env.world_size}")
+        names = "RANK / WORLD_SIZE" if env.source == "torchrun" else "SLURM_PROCID / SLURM_NTASKS"
+        raise ConfigError(f"{env.source} launch: rank {env.rank} is outside world size {env.world_size} ({names})")
     return env
 
 

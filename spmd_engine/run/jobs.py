@@ -22,11 +22,18 @@ logger = logging.getLogger("spmd_engine")
 
 
 def check_launched_world(setup: "EngineSetup") -> None:
-    """The launcher's world must hold whole replicas: fail on every rank before any rendezvous."""
+    """The launcher's world must hold whole replicas, and rank 0's rendezvous port must be free:
+    fail before any rendezvous."""
     from spmd_engine.distributed.launch_env import read_launch_env
+    from spmd_engine.distributed.master_port import check_master_port
     launch = read_launch_env(os.environ)
     if launch is not None:
-        topology.Layout.of(setup.config.parallel_config, launch.world_size)
+        try:
+            topology.Layout.of(setup.config.parallel_config, launch.world_size)
+        except topology.TopologyError as exc:
+            var = "WORLD_SIZE" if launch.source == "torchrun" else "SLURM_NTASKS"
+            raise topology.TopologyError(f"{exc} ({var} of this {launch.source} launch)") from None
+        check_master_port(launch, os.environ)
 
 
 def check_same_invocation(args, inputs) -> None:

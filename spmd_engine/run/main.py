@@ -96,6 +96,21 @@ def check_args(args) -> None:
         raise ConfigError(f"--output {args.output} is a directory")
     if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
         raise ConfigError(f"--output {args.output}: its directory does not exist")
+    if args.output:
+        check_writable(args.output)
+
+
+def check_writable(output: str) -> None:
+    """--output's directory must take new files (the part files, the merged result): tried now
+    with a temporary file, removed at once, so a read-only directory fails before any model
+    load rather than at the first result. Not os.access: as root it says yes to everything."""
+    import tempfile
+    directory = os.path.dirname(os.path.abspath(output))
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".spmd-engine-write-check-"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"--output {output}: cannot create files in {directory}: {exc.strerror}") from None
 
 
 def load_job(args) -> PromptJob:
