@@ -1,4 +1,4 @@
-"""Fuzzed checkpoints (issue 25): a corrupted safetensors header, a wrong tensor, a missing
+"""Fuzzed checkpoints (issue 25): a corrupted safetensors header, a wrong or missing tensor, a missing
 shard, a bad config.json are each refused before any process starts (exit 2, one `error:`
 line naming the file). Seeded byte offsets; a failing id replays with `-k`.
 
@@ -66,6 +66,15 @@ def _drop_shard(ckpt, rng):
     return f  # the index still lists it: the error names the missing shard
 
 
+def _drop_tensor(ckpt, rng):
+    """A tensor the index lists, gone from its shard: the error names the index."""
+    f = sorted(ckpt.glob("*.safetensors"))[0]
+    tensors = load_file(f)
+    tensors.pop(rng.choice(sorted(tensors)))
+    save_file(tensors, f, metadata={"format": "pt"})
+    return ckpt / "model.safetensors.index.json"
+
+
 def _config(edit):
     def mutate(ckpt, rng):
         path = ckpt / "config.json"
@@ -89,6 +98,7 @@ CASES = {
     "wrong-shape": (lambda c, r: _retensor(c, lambda t: t[:-1]), 0),
     "wrong-dtype": (lambda c, r: _retensor(c, lambda t: t.to(torch.int32)), 0),
     "missing-shard": (_drop_shard, 0),
+    **{f"missing-tensor-{s}": (_drop_tensor, s) for s in range(2)},
     "config-missing": (_config(lambda cfg: "delete"), 0),
     "config-not-json": (_config(lambda cfg: "{hidden_size: 64"), 0),
     "config-a-list": (_config(lambda cfg: "[1, 2]"), 0),
