@@ -38,7 +38,9 @@ if __name__ == "__main__":
         got = layer(x, weights, ids)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
         mode = "ep" if expert_parallel else "tp"
-        print(f"rank {rank} {mode} experts {list(layer.local_experts)} rows {x.shape[0]} OK", flush=True)
+        # One write per line (unbuffered print writes the newline apart: lines would run together).
+        sys.stdout.write(f"rank {rank} {mode} experts {list(layer.local_experts)} rows {x.shape[0]} OK\n")
+        sys.stdout.flush()
     group.destroy()
     dist.destroy_process_group()
     sys.exit(0)

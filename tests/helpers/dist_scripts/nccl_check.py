@@ -44,7 +44,9 @@ def main() -> int:
             problems.append(f"tp all_gather gave {gathered.tolist()} on {gathered.device}")
         torch.cuda.synchronize()
         verdict = "ok" if not problems else "FAILED " + "; ".join(problems)
-        print(f"rank {rank} {verdict} world={world} device={device} backend={dist.get_backend()}", flush=True)
+        # One write per line (unbuffered print writes the newline apart: lines would run together).
+        sys.stdout.write(f"rank {rank} {verdict} world={world} device={device} backend={dist.get_backend()}\n")
+        sys.stdout.flush()
         return 0 if not problems else 1
     finally:
         ps.destroy_distributed_environment()

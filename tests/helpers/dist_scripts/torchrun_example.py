@@ -8,6 +8,7 @@ engine's world CPU group, as the vLLM test does; a mismatch exits non-zero.
 """
 
 import random
+import sys
 
 import torch.distributed as dist
 
@@ -38,6 +39,10 @@ check_consistent_across_ranks(cache.num_gpu_blocks)
 for output in outputs:
     check_consistent_across_ranks(output.prompt)
     check_consistent_across_ranks(output.outputs[0].text)
-    print(f"Rank {torch_rank}, Prompt: {output.prompt!r}, Generated text: {output.outputs[0].text!r}", flush=True)
-print(f"Rank {torch_rank} blocks {cache.num_gpu_blocks} {cache.num_cpu_blocks}", flush=True)
+    # One write per line: unbuffered, print() writes the text and its newline apart, and the
+    # ranks' lines would run together in the shared pipe.
+    sys.stdout.write(f"Rank {torch_rank}, Prompt: {output.prompt!r}, Generated text: {output.outputs[0].text!r}\n")
+    sys.stdout.flush()
+sys.stdout.write(f"Rank {torch_rank} blocks {cache.num_gpu_blocks} {cache.num_cpu_blocks}\n")
+sys.stdout.flush()
 llm.shutdown()
