@@ -37,8 +37,17 @@ def result_record(index: int, prompt: PromptInput, out) -> dict:
         "finish_reason": completion.finish_reason,
     }
     if completion.logprobs is not None:
-        record["logprobs"] = [{str(k): v.logprob for k, v in step.items()} for step in completion.logprobs]
+        record["logprobs"] = [{str(k): json_logprob(v.logprob) for k, v in step.items()}
+                              for step in completion.logprobs]
     return record
+
+
+JSON_NEG_INF = -9999.0  # vLLM's OpenAI server's stand-in: JSON has no -Infinity
+
+
+def json_logprob(value: float) -> float:
+    """A logprob fit for strict JSON: a token the processed modes drop (-inf) as vLLM writes it."""
+    return JSON_NEG_INF if value == float("-inf") else value
 
 
 @dataclass

@@ -10,6 +10,7 @@ random draw, so a resumed run or another layout writes the same bytes.
 
 from __future__ import annotations
 
+from spmd_engine.run.records import json_logprob
 from spmd_engine.run_batch.requests import BatchRequest
 
 
@@ -53,7 +54,7 @@ def _top(step: dict, k: int) -> list:
 
 def _token(lp) -> dict:
     text = lp.decoded_token or ""
-    return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8"))}
+    return {"token": text, "logprob": json_logprob(lp.logprob), "bytes": list(text.encode("utf-8"))}
 
 
 def _chat_logprobs(c, k: int) -> dict:
@@ -68,8 +69,8 @@ def _completion_logprobs(c, k: int) -> dict:
     for token_id, step in zip(c.token_ids, c.logprobs):
         text = step[token_id].decoded_token or ""
         tokens.append(text)
-        token_logprobs.append(step[token_id].logprob)
-        top.append({lp.decoded_token or "": lp.logprob for lp in _top(step, k)})
+        token_logprobs.append(json_logprob(step[token_id].logprob))
+        top.append({lp.decoded_token or "": json_logprob(lp.logprob) for lp in _top(step, k)})
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}

@@ -214,3 +214,20 @@ def test_logprobs_mode_reaches_the_output_file(tmp_path):
     assert all(v <= 0 for v in values["raw_logprobs"]) and max(values["raw_logits"]) > 1
     bad = run_cli("--prompt", "x", "--logprobs-mode", "processed")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--logprobs-mode" in bad.stderr
+
+
+@pytest.mark.timeout(120)
+def test_processed_logprobs_of_dropped_tokens_are_strict_json(tmp_path):
+    """top_k 2 drops all but two tokens, so a top-5 list holds -inf logprobs: the output file
+    stays strict JSON (no -Infinity), with vLLM's -9999.0 in their place."""
+    out = tmp_path / "out.jsonl"
+    proc = run_cli("--prompt", "Beautiful is", "--max-tokens", "3", "--logprobs", "5", "--temperature", "1",
+                   "--top-k", "2", "--logprobs-mode", "processed_logprobs", "--output", str(out), "--quiet")
+    assert proc.returncode == 0, proc.stderr
+
+    def refuse(name):
+        raise AssertionError(f"not strict JSON: {name}")
+    (record,) = [json.loads(line, parse_constant=refuse) for line in out.read_text().splitlines()]
+    for step in record["logprobs"]:
+        values = sorted(step.values(), reverse=True)
+        assert values[2:] == [-9999.0] * 3 and all(v > -9999.0 for v in values[:2]), step
