@@ -147,8 +147,12 @@ class LLM:
         progress = tqdm_progress(use_tqdm, total, progress)
         done: dict[int, RequestOutput] = {}
         try:
-            while engine.has_unfinished_requests():
-                for origin, out in engine.step_with_origins():
+            # One exchange for the whole call (under external_launcher): every rank of the replica
+            # then holds the same requests, and with nothing queued after it the steps stay equal
+            # without exchanging again (an exchange a step cost as much as a small model's step).
+            engine.sync()
+            while engine.has_unfinished_requests(sync=False):
+                for origin, out in engine.step_with_origins(sync=False):
                     if origin is None or origin[0] != call:
                         continue
                     done[origin[1]] = out

@@ -112,10 +112,16 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         return [out for _, out in self.step_with_origins()]
 
-    def step_with_origins(self) -> list[tuple[Any, RequestOutput]]:
-        """step(), each output with the (generate call, position) it came from (None: added)."""
+    def step_with_origins(self, sync: bool = True) -> list[tuple[Any, RequestOutput]]:
+        """step(), each output with the (generate call, position) it came from (None: added).
+        `sync=False`: no exchange first (generate's loop, which exchanged its whole queue once
+        and into which nothing can be queued)."""
         self._preflight()
-        self.sync()
+        if sync:
+            self.sync()
+        elif self._queue:
+            raise RuntimeError("add_request / abort_request while LLM.generate runs (from one of its "
+                               "callbacks) is not supported: the other ranks would not see it")
         if self.pause.paused:
             raise RuntimeError(f"step() while generation is paused (mode={self.pause.mode!r}): "
                                f"resume_generation() first")
@@ -128,8 +134,9 @@ class LLMEngine:
             raise
         return aborted + self.outputs.process(progressed)
 
-    def has_unfinished_requests(self) -> bool:
-        self.sync()
+    def has_unfinished_requests(self, sync: bool = True) -> bool:
+        if sync:
+            self.sync()
         return bool(self._aborted) or self._client.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
