@@ -177,7 +177,8 @@ class Scheduler:
             known = {r.request_id: r for r in (*self.running, *self.waiting)}
             for rid, entries in model_output.prompt_logprobs.items():
                 if rid in known:  # not aborted while this step was in flight
-                    known[rid].prompt_logprobs = (known[rid].prompt_logprobs or []) + entries
+                    known[rid].prompt_logprobs = known[rid].prompt_logprobs or []
+                    known[rid].prompt_logprobs.extend(entries)
         if model_output.routed_experts:
             self._record_routed_experts(model_output.routed_experts)
         finished = []
@@ -187,7 +188,8 @@ class Scheduler:
                 continue  # preempted while this step was in flight: it is being recomputed
             request.output_token_ids.append(int(token))
             if model_output.logprobs is not None and model_output.logprobs[i] is not None:
-                request.logprobs = (request.logprobs or []) + [model_output.logprobs[i]]
+                request.logprobs = request.logprobs or []
+                request.logprobs.append(model_output.logprobs[i])
             if model_output.sampling_masks is not None and model_output.sampling_masks[i] is not None:
                 request.sampling_masks = request.sampling_masks or []
                 request.sampling_masks.append(model_output.sampling_masks[i])

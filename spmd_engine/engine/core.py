@@ -42,7 +42,7 @@ class EngineCore:
         self.wave_stats = {"waves": 0, "wave_steps": 0, "dummy_steps": 0}
         self._in_wave = False
         self._inter_token = LatencyHistogram()
-        self.last_step_digest = ""  # of the last step applied: ranks of a replica compare theirs
+        self._last_step = None  # (SchedulerOutput, ModelRunnerOutput) of the last step applied
         self._batch_queue: deque = deque()  # (SchedulerOutput, its result) of steps in flight
         self._peak_in_flight = 0
 
@@ -129,8 +129,14 @@ class EngineCore:
             else:
                 self._inter_token.observe(now - request.last_token_time)
             request.last_token_time = now
-        self.last_step_digest = _step_digest(scheduler_output, model_output)
+        self._last_step = (scheduler_output, model_output)
         return progressed
+
+    @property
+    def last_step_digest(self) -> str:
+        """Of the last step applied: ranks of a replica compare theirs at each sync (hashed only
+        when read, since only external_launcher's syncs read it)."""
+        return "" if self._last_step is None else _step_digest(*self._last_step)
 
     def _check_stop_strings(self, sampled: list[str], running: dict[str, Request],
                             finished: list[Request]) -> None:
@@ -161,8 +167,6 @@ class EngineCore:
         if not active and self._in_wave:
             self.wave_stats["waves"] += 1
             self._in_wave = False
-        self._inter_token = LatencyHistogram()
-        self.last_step_digest = ""  # of the last step applied: ranks of a replica compare theirs
         return active
 
     def _dummy_step(self) -> None:
