@@ -177,11 +177,13 @@ def front_end_kv_plan(config: EngineConfig, hf_config, spec) -> kv_sizing.KVPlan
 def check_batch_invariant(spec, parallel: ParallelConfig, source: str) -> None:
     """Batch-invariant mode cuts every row-parallel reduction into REDUCE_CHUNKS slices that TP
     ranks share evenly: TP must divide it, and so must each reduced width."""
-    from spmd_engine.model.layers.batch_invariant import REDUCE_CHUNKS
+    from spmd_engine.model.layers.batch_invariant import REDUCE_CHUNKS, chunks_per_rank
     tp = parallel.tensor_parallel_size
-    if REDUCE_CHUNKS % tp:
+    try:
+        chunks_per_rank(tp)
+    except ValueError:
         raise ConfigError(f"batch-invariant mode supports tensor parallel sizes dividing {REDUCE_CHUNKS} "
-                          f"(1, 2, 4, 8), got {tp}")
+                          f"(1, 2, 4, 8), got {tp}") from None
     widths = {"num_attention_heads x head_dim": spec.num_heads * spec.head_dim,
               "intermediate_size": spec.intermediate_size}
     if spec.moe is not None:

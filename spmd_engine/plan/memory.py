@@ -24,7 +24,8 @@ def memory_plan(setup, layout: Layout, gpu_memory: int | None, gpus_per_node: in
     `gpu_memory`: each GPU's bytes (None: CPU ranks, the CPU budget rule)."""
     config, spec, hf = setup.config, setup.spec, setup.inputs.hf_config
     dtype = resolve_dtype(config.model_config.dtype, hf, config.device)
-    models = RankModels(hf, dtype, spec.moe is not None, packing_applies(dtype, config.device))
+    models = RankModels(hf, dtype, spec.moe is not None,
+                        packing_applies(dtype, config.device, config.model_config.batch_invariant))
     fit = _layout_memory(models, setup, layout, config.parallel_config, config.model_config.pp_partition,
                          gpu_memory)
     smallest = _smallest_fit(models, setup, gpu_memory, gpus_per_node) if gpu_memory else None

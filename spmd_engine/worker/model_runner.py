@@ -53,9 +53,7 @@ class ModelRunner:
         self.model = load_model(mc.model_dir, self.tp_group, self.pp_group, dtype=mc.dtype,
                                 device=self.device, pp_partition=mc.pp_partition,
                                 load_format=mc.load_format, batch_invariant=mc.batch_invariant, **self.moe_groups)
-        # oneDNN's packed matmul picks its blocking by the row count (not batch-invariant), and a
-        # trainer's dense weights must meet the same kernel: no packing in batch-invariant mode.
-        if not mc.batch_invariant and packing_applies(self.model.dtype, self.device):
+        if packing_applies(self.model.dtype, self.device, mc.batch_invariant):
             packed = pack_linear_weights(self.model, batch_hint=self.config.scheduler_config.max_num_seqs)
             logger.debug("%d linear weights packed for oneDNN", packed)
         if mc.enable_return_routed_experts:

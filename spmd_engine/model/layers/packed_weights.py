@@ -37,10 +37,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def packing_applies(dtype: torch.dtype, device: torch.device) -> bool:
+def packing_applies(dtype: torch.dtype, device: torch.device, batch_invariant: bool = False) -> bool:
     """fp32, or bf16 where oneDNN has bf16 kernels, on CPU, when a trial matmul agrees
-    with `F.linear`; unless switched off."""
-    if not envs.cpu_packed_weights() or torch.device(device).type != "cpu":
+    with `F.linear`; unless switched off. Never in batch-invariant mode: oneDNN's packed
+    matmul picks its blocking by the row count, and a trainer's dense weights must meet the
+    same kernel."""
+    if batch_invariant or not envs.cpu_packed_weights() or torch.device(device).type != "cpu":
         return False
     ops = torch.ops.mkldnn
     if not (torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise")
