@@ -61,36 +61,25 @@ class RowGroup:
 
 @dataclass
 class InvariantTiles:
-    """The step's queries cut into tiles of bi.QUERY_TILE tokens of one request each."""
+    """Batch-invariant mode: the step's queries as batch_invariant tiles over the cache, planned
+    once per step for each number of query heads per KV head (every layer has the same)."""
 
-    index: torch.Tensor  # [n, QUERY_TILE] packed token of each tile slot; N (a zero row) for padding
-    q_pos: torch.Tensor  # [n, QUERY_TILE] its position (padding: 0)
-    slots: torch.Tensor  # [n, L] cache slot of the tile's request's key at each position (past it: 0)
-    unpack: torch.Tensor  # [N] where each packed token sits in the flattened tiles
+    context_lens: Sequence[int]
+    query_lens: Sequence[int]
+    row_start: Sequence[int]
+    table: torch.Tensor  # [B, width] block table
+    block_size: int
+    device: object
+    _plans: dict = field(default_factory=dict, repr=False, compare=False)
 
-    @classmethod
-    def build(cls, context_lens, query_lens, row_start, table: torch.Tensor, block_size: int, device):
-        qt = bi.QUERY_TILE
-        req, first = [], []
-        for b, n in enumerate(query_lens):
-            for j in range(0, n, qt):
-                req.append(b)
-                first.append(j)
-        req_t, first_t = torch.tensor(req, dtype=torch.long), torch.tensor(first, dtype=torch.long)
-        offset = first_t.view(-1, 1) + torch.arange(qt).view(1, -1)  # [n, qt] index in the request's queries
-        qlen, ctx = torch.tensor(list(query_lens))[req_t], torch.tensor(list(context_lens))[req_t]
-        real = offset < qlen.view(-1, 1)
-        total = sum(query_lens)
-        index = torch.where(real, torch.tensor(list(row_start))[req_t].view(-1, 1) + offset, total)
-        q_pos = torch.where(real, ctx.view(-1, 1) + offset, 0)
-        seq_len = ctx + qlen
-        length = bi.padded_keys(int(seq_len.max()))
-        pos = torch.arange(length)
-        blocks = table[req_t][:, (pos // block_size).clamp(max=table.shape[1] - 1)]
-        slots = torch.where(pos.view(1, -1) < seq_len.view(-1, 1), blocks * block_size + pos % block_size, 0)
-        unpack = torch.empty(total, dtype=torch.long)
-        unpack[index[real]] = torch.arange(index.numel()).view(index.shape)[real]
-        return cls(index.to(device), q_pos.to(device), slots.to(device), unpack.to(device))
+    def plan(self, group: int) -> bi.TilePlan:
+        if group not in self._plans:
+            table, bs = self.table, self.block_size
+            def slots(seq, pos):  # cache slot of each sequence's key at each position
+                return table[seq][:, (pos // bs).clamp(max=table.shape[1] - 1)] * bs + pos % bs
+            self._plans[group] = bi.plan_tiles(self.context_lens, self.query_lens, self.row_start, slots,
+                                               group, self.device)
+        return self._plans[group]
 
 
 @dataclass
@@ -133,7 +122,7 @@ class AttentionMetadata:
                                       torch.tensor([query_lens[b] for b in order], dtype=torch.long))
         pos = torch.arange(n) - torch.tensor(row_start)[row] + torch.tensor(context_lens, dtype=torch.long)[row]
         slots = table[row, pos // block_size] * block_size + pos % block_size
-        tiles = InvariantTiles.build(context_lens, query_lens, row_start, table, block_size, device) \
+        tiles = InvariantTiles(list(context_lens), list(query_lens), row_start, table, block_size, device) \
             if invariant else None
         groups = [] if invariant else [
             _group(rows, row_start, context_lens, query_lens, table if is_cached else None, block_size, device)
@@ -240,11 +229,8 @@ class Attention(nn.Module):
 
     def _attend_tiles(self, q: torch.Tensor, tiles: InvariantTiles) -> torch.Tensor:
         D, kv = self.head_dim, self.num_kv_heads
-        qx = torch.cat([q, q.new_zeros(1, *q.shape[1:])])[tiles.index]  # [n, tile, heads, D]
-        keys = self.k_cache.view(-1, kv, D)[tiles.slots]  # [n, L, kv, D]
-        values = self.v_cache.view(-1, kv, D)[tiles.slots]
-        out = bi.attention(qx, keys, values, tiles.q_pos, self.scale)
-        return out.reshape(-1, self.num_heads, D)[tiles.unpack]
+        return bi.attend(q, self.k_cache.view(-1, kv, D), self.v_cache.view(-1, kv, D),
+                         tiles.plan(self.num_heads // kv), self.scale)
 
     def _causal(self, q, k, v) -> torch.Tensor:
         group = self.num_heads // self.num_kv_heads

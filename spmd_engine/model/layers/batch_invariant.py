@@ -2,55 +2,75 @@
 
 The default kernels are free to pick their algorithm from the whole call's shape: MKL's
 fp32 GEMM uses one kernel for 1 row, another for 2-15 and a third from 16 (each summing K in
-its own order), oneDNN's blocking changes with the row count too, SDPA splits keys and
-queries by the sequence lengths, and a row-parallel layer's all-reduce adds partial products
-in a different order than one rank's matmul. Each is right to 1e-6, and each makes a
-request's logprobs depend on its batch. These do not, by construction:
+its own order), and when a GEMM runs alone on several threads it may split K between them;
+oneDNN's blocking changes with the row count too; SDPA splits keys and queries by the
+sequence lengths; a row-parallel layer's all-reduce adds partial products in a different
+order than one rank's matmul. Each is right to 1e-6, and each makes a request's logprobs
+depend on its batch (or on the process's thread count). These do not, by construction:
 
-- `linear`: rows go through one kernel in tiles of TILE_ROWS (padded), so every call the
-  kernel sees has the same shape and a row's sums run in the same order wherever it sits.
+- `linear`: rows go through one kernel in tiles of `tile_rows` (padded), so every product
+  the kernel sees has the same shape and a row's sums run in the same order wherever it
+  sits. fp32 tiles go to one batched call of at least as many tiles as threads (and two):
+  then MKL runs each product on one thread, sequentially; given fewer, it splits a
+  product's K between threads (measured), and a row's bits would follow the thread count.
 - `row_parallel_linear`: the reduction dimension is cut into REDUCE_CHUNKS (the largest
   supported TP) products summed in one fixed pairwise tree; a TP rank computes its subtree
   and the ranks' subtrees are all-gathered and summed by the same tree, so TP 1, 2, 4 and 8
   give the same bits.
-- `attention`: every query attends to its keys in blocks of KEY_BLOCK from position 0, one
-  fixed-shape product per (query tile, key block), a max over all keys, block sums added in
-  order (`cumsum`: sequential), so neither the number of queries, nor cached blocks, nor
-  padding to a longer neighbour changes a query's output.
+- `attention` (`plan_tiles`, `attend`): a query's scores are length-D dot products, the
+  same bits in any product of at least MIN_ROWS rows (measured: MKL and oneDNN do not split
+  a dimension that short), so tiles may be sized for speed; the softmax's sums and the
+  value products run in fixed key blocks of KEY_BLOCK from position 0, combined by one
+  pairwise tree over a power-of-two number of blocks, where blocks past the query add exact
+  zeros: neither the number of queries, nor cached blocks, nor the key length a tile is
+  padded to changes a query's output.
 - `row_sum`, `rms_norm`, `log_softmax`: a row's sum in fixed chunks of SUM_CHUNK added in
   order, never split by thread count.
 - `pointwise`: torch's elementwise kernels compute exp, silu, rsqrt, cos... with SIMD for
-  whole vectors and with the scalar libm function (other bits) for the tail of the tensor,
-  so an element's value depends on the tensor's size. Padding the last dim to a multiple of
-  SUM_CHUNK (contiguous) sends every element through the vector path.
+  whole vectors and with the scalar libm function (other bits) for the tail of each
+  thread's share, so an element's value depends on the tensor's size and the thread count.
+  Padding the flattened tensor so every share is a multiple of SUM_CHUNK sends every
+  element through the vector path.
 
 Everything is torch ops with autograd: a trainer calls the same functions (model/trainer.py).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
 import torch
 import torch.nn.functional as F
 
-TILE_ROWS = 32
 REDUCE_CHUNKS = 8  # the largest TP size whose results equal TP=1's
 KEY_BLOCK = 32
-QUERY_TILE = 16  # query tokens per attention tile
+MIN_ROWS = 16  # rows of every attention product: fewer meet MKL's small-M kernels
+LONG_TILE = 32  # queries per attention tile of a prompt (or chunk) longer than a short tile
 SUM_CHUNK = 64
+GRAIN = 32768  # torch's elementwise kernels split work between threads from this many elements
 MAX_SCORES = 1 << 22  # score elements per attention call (tiles are independent: any split)
 
 
+def tile_rows(dtype: torch.dtype) -> int:
+    """fp32: 16, MKL's smallest full kernel; bf16 and fp16: 32 (one oneDNN call a tile)."""
+    return 16 if dtype == torch.float32 else 32
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + b, each row computed by the same [TILE_ROWS, K] x [K, N] product."""
+    """x W^T + b, each row computed by the same [tile_rows, K] x [K, N] product."""
     lead, (n, k) = x.shape[:-1], weight.shape
     rows = x.reshape(-1, k)
-    m = rows.shape[0]
-    if m % TILE_ROWS:
-        rows = F.pad(rows, (0, 0, 0, TILE_ROWS - m % TILE_ROWS))
-    tiles = rows.view(-1, TILE_ROWS, k)
-    if tiles.dtype == torch.float32:  # one batched call, the weight broadcast (not copied)
+    m, t = rows.shape[0], tile_rows(x.dtype)
+    fp32 = x.dtype == torch.float32
+    # fp32: a tile a thread at least, see above (MKL splits K when its batch is smaller)
+    padded = max(-(-m // t), max(2, torch.get_num_threads()) if fp32 else 1) * t
+    if padded != m:
+        rows = F.pad(rows, (0, 0, 0, padded - m))
+    tiles = rows.view(-1, t, k)
+    if fp32:  # one batched call, the weight broadcast (not copied)
         y = torch.bmm(tiles, weight.t().expand(tiles.shape[0], k, n))
-    else:  # CPU bmm has no fast half-precision path: one product per tile
+    else:  # CPU bmm has no fast half-precision path (nor a thread-invariant one): a call a tile
         y = torch.stack([tile @ weight.t() for tile in tiles.unbind(0)])
     y = y.reshape(-1, n)[:m]
     if bias is not None:
@@ -90,11 +110,20 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, group) -> torch.T
 
 
 def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
-    """fn(x) for an elementwise fn, every element through the same (vector) code path."""
-    d = x.shape[-1]
-    if d % SUM_CHUNK == 0 and x.is_contiguous():
-        return fn(x)
-    return fn(F.pad(x, (0, -d % SUM_CHUNK)))[..., :d]
+    """fn(x) for an elementwise fn, every element through the same (vector) code path: the
+    flattened tensor padded so that each thread's share is a multiple of SUM_CHUNK."""
+    n = x.numel()
+    shares = 1
+    while True:  # torch's split: min(threads, ceil(size / GRAIN)) shares of ceil(size / shares)
+        size = -(-n // (SUM_CHUNK * shares)) * SUM_CHUNK * shares
+        fit = max(1, min(torch.get_num_threads(), -(-size // GRAIN)))
+        if fit == shares:
+            break
+        shares = fit
+    flat = x.reshape(-1)
+    if size == n:
+        return fn(flat).view(x.shape)
+    return fn(F.pad(flat, (0, size - n)))[:n].view(x.shape)
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
@@ -123,18 +152,104 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
     return x - m - pointwise(torch.log, row_sum(pointwise(torch.exp, x - m)).unsqueeze(-1))
 
 
+def pairwise_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """`tree_sum` along `dim` (a power-of-two size), one add a level."""
+    dim %= x.dim()
+    while x.shape[dim] > 1:
+        x = x.unflatten(dim, (-1, 2))
+        x = x.select(dim + 1, 0) + x.select(dim + 1, 1)
+    return x.squeeze(dim)
+
+
+def key_length(last_position: int) -> int:
+    """Keys a tile reads: a power-of-two number of KEY_BLOCKs covering 0..last_position."""
+    return KEY_BLOCK << (-(-(last_position + 1) // KEY_BLOCK) - 1).bit_length()
+
+
+def sequence_tiles(context: int, queries: int, group: int) -> list[tuple[int, int, int]]:
+    """(first query, tile size, key length) of each tile of a sequence with `context` keys
+    cached and `queries` new ones. A tile's size never changes a query's bits, so tiles are
+    sized for speed: a decode gets the fewest rows a product may have, a prompt one tile per
+    run of queries that read the same power-of-two key length (keys gathered once a run,
+    at most 2x the causal work), each a power of two, at most MAX_SCORES scores a tile."""
+    short = -(-MIN_ROWS // group)
+    if queries <= short:
+        return [(0, short, key_length(context + queries - 1))]
+    tiles, j = [], 0
+    while j < queries:
+        length = key_length(context + j)
+        run = min(queries, length - context) - j  # the queries up to the key length's end
+        cap = max(LONG_TILE, 1 << max(0, (MAX_SCORES // (group * length)).bit_length() - 1))
+        size = min(cap, max(LONG_TILE, 1 << (run - 1).bit_length()))
+        tiles.append((j, size, length))
+        j += min(size, run)
+    return tiles
+
+
+@dataclass
+class TileBucket:
+    """Tiles of one shape, attended in one call."""
+
+    index: torch.Tensor  # [n, q] packed query of each tile slot; N (a zero row) for padding
+    q_pos: torch.Tensor  # [n, q] its position (padding: 0)
+    keys: torch.Tensor  # [n, L] row of the flat keys at each position (past the sequence: 0)
+
+
+@dataclass
+class TilePlan:
+    buckets: list[TileBucket]
+    unpack: torch.Tensor  # [N] where each packed query sits in the buckets' tiles, flattened in order
+
+
+def plan_tiles(context_lens: Sequence[int], query_lens: Sequence[int], row_start: Sequence[int],
+               key_rows: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], group: int, device) -> TilePlan:
+    """The step's (or a training batch's) queries as tiles of one sequence each, bucketed by
+    (key length, tile size). Sequence b has context_lens[b] keys already and query_lens[b]
+    new queries at packed rows row_start[b]..; key_rows(seqs [n], positions [L]) gives the
+    rows of the flat key tensor holding those sequences' keys at those positions."""
+    shapes: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for b, (ctx, q) in enumerate(zip(context_lens, query_lens)):
+        for j, qt, length in sequence_tiles(ctx, q, group):
+            shapes.setdefault((length, qt), []).append((b, j))
+    ctx_t, qlen_t = torch.tensor(list(context_lens)), torch.tensor(list(query_lens))
+    start_t, total = torch.tensor(list(row_start)), sum(query_lens)
+    buckets, flat, at = [], [], 0
+    for (length, qt), tiles in sorted(shapes.items()):
+        seq, first = (torch.tensor(c, dtype=torch.long) for c in zip(*tiles))
+        offset = first.view(-1, 1) + torch.arange(qt).view(1, -1)
+        real = (offset < qlen_t[seq].view(-1, 1)) & (ctx_t[seq].view(-1, 1) + offset < length)
+        index = torch.where(real, start_t[seq].view(-1, 1) + offset, total)
+        q_pos = torch.where(real, ctx_t[seq].view(-1, 1) + offset, 0)
+        pos = torch.arange(length)
+        keys = torch.where(pos.view(1, -1) < (ctx_t + qlen_t)[seq].view(-1, 1), key_rows(seq, pos), 0)
+        buckets.append(TileBucket(index.to(device), q_pos.to(device), keys.to(device)))
+        flat.append((index[real], at + torch.arange(index.numel()).view(index.shape)[real]))
+        at += index.numel()
+    unpack = torch.empty(total, dtype=torch.long)
+    for rows, where in flat:
+        unpack[rows] = where
+    return TilePlan(buckets, unpack.to(device))
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: TilePlan, scale: float) -> torch.Tensor:
+    """Packed queries [N, heads, D] over flat keys, values [S, kv_heads, D] -> [N, heads, D]."""
+    qx = torch.cat([q, q.new_zeros(1, *q.shape[1:])])
+    outs = [attention(qx[b.index], keys[b.keys], values[b.keys], b.q_pos, scale).flatten(0, 1)
+            for b in plan.buckets]
+    return (outs[0] if len(outs) == 1 else torch.cat(outs))[plan.unpack]
+
+
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: torch.Tensor,
               scale: float) -> torch.Tensor:
     """Tiles of queries over their sequences' keys, laid out by position.
 
-    q [n, QUERY_TILE, heads, D]; keys, values [n, L, kv_heads, D], key j at position j of
-    the tile's sequence, L a multiple of KEY_BLOCK; q_pos [n, QUERY_TILE]: a query sees keys
-    0..q_pos (padding queries: 0). Returns [n, QUERY_TILE, heads, D] in q's dtype. Keys past
-    a query's position add exact zeros, so any L gives the same bits.
+    q [n, t, heads, D]; keys, values [n, L, kv_heads, D], key j at position j of the tile's
+    sequence, L a power-of-two number of KEY_BLOCKs; q_pos [n, t]: a query sees keys
+    0..q_pos (padding queries: 0). Returns [n, t, heads, D] in q's dtype.
     """
     outs = []
     per_tile = q.shape[1] * q.shape[2] * keys.shape[1]
-    step = max(1, MAX_SCORES // per_tile)
+    step = max(2, MAX_SCORES // per_tile)
     for start in range(0, q.shape[0], step):
         sl = slice(start, start + step)
         outs.append(_attend_tiles(q[sl], keys[sl], values[sl], q_pos[sl], scale))
@@ -144,35 +259,39 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: 
 def _attend_tiles(q, keys, values, q_pos, scale):
     n, t, heads, d = q.shape
     kv, length = keys.shape[2], keys.shape[1]
-    nb = length // KEY_BLOCK
-    # One product per (tile, query head, key block), [t, d] x [d, KEY_BLOCK]: the same shape at
-    # any TP size (folding the query heads that share a KV head into the rows would not be).
-    qf = q.float().permute(0, 2, 1, 3).unsqueeze(2)  # [n, heads, 1, t, d]
-    def blocks(x):  # [n, L, kv, d] -> [n, heads, nb, KEY_BLOCK, d], each query head its KV head's keys
-        x = x.float().view(n, nb, KEY_BLOCK, kv, 1, d).expand(n, nb, KEY_BLOCK, kv, heads // kv, d)
-        return x.reshape(n, nb, KEY_BLOCK, heads, d).permute(0, 3, 1, 2, 4)
-    kf, vf = blocks(keys), blocks(values)
-    s = torch.matmul(qf.expand(n, heads, nb, t, d), kf.transpose(-1, -2)) * scale  # [n, heads, nb, t, KB]
-    key_pos = torch.arange(length, device=q.device).view(1, 1, nb, 1, KEY_BLOCK)
-    s = s.masked_fill(key_pos > q_pos.view(n, 1, 1, t, 1), float("-inf"))
-    p = pointwise(torch.exp, s - s.amax(dim=(2, 4), keepdim=True))  # last dim KEY_BLOCK
-    denom = p.sum(-1).cumsum(2)[:, :, -1]  # [n, heads, t]
-    acc = torch.matmul(p, vf).cumsum(2)[:, :, -1]  # [n, heads, t, d]
-    return (acc / denom.unsqueeze(-1)).permute(0, 2, 1, 3).to(q.dtype)
-
-
-def padded_keys(length: int) -> int:
-    return -(-length // KEY_BLOCK) * KEY_BLOCK
+    group, nb = heads // kv, length // KEY_BLOCK
+    if nb & (nb - 1) or nb * KEY_BLOCK != length:
+        raise ValueError(f"key length {length} is not a power-of-two number of {KEY_BLOCK}-key blocks")
+    rows = t * group
+    if rows < MIN_ROWS or n < 2:  # pad: no product smaller than MIN_ROWS, none alone in its call
+        pad_t, pad_n = max(t, -(-MIN_ROWS // group)) - t, max(n, 2) - n
+        out = _attend_tiles(F.pad(q, (0, 0, 0, 0, 0, pad_t, 0, pad_n)), F.pad(keys, (0, 0, 0, 0, 0, 0, 0, pad_n)),
+                            F.pad(values, (0, 0, 0, 0, 0, 0, 0, pad_n)), F.pad(q_pos, (0, pad_t, 0, pad_n)), scale)
+        return out[:n, :t]
+    f32 = torch.float32
+    keys, values = keys.to(f32), values.to(f32)  # no copy in fp32
+    # [n, kv, t * group, D]: a KV head's query heads folded into the rows, per KV head one call
+    # on strided views of the gathered keys (no copy of them per query head)
+    qf = q.to(f32).view(n, t, kv, group, d).transpose(1, 2).reshape(n, kv, rows, d)
+    hidden = torch.arange(length, device=q.device).view(1, 1, 1, length) > q_pos.view(n, t, 1, 1)
+    outs = []
+    for h in range(kv):
+        s = torch.bmm(qf[:, h], keys[:, :, h].transpose(1, 2)) * scale  # [n, rows, L]
+        s = s.view(n, t, group, length).masked_fill(hidden, float("-inf")).view(n, rows, length)
+        p = pointwise(torch.exp, s - s.amax(dim=-1, keepdim=True)).view(n, rows, nb, KEY_BLOCK)
+        denom = pairwise_sum(p.sum(-1), dim=-1)  # [n, rows]
+        blocks = p.transpose(1, 2).reshape(n * nb, rows, KEY_BLOCK)
+        vb = values[:, :, h].reshape(n * nb, KEY_BLOCK, d)  # a view: blocks are rows of the keys
+        acc = pairwise_sum(torch.bmm(blocks, vb).view(n, nb, rows, d), dim=1)  # [n, rows, D]
+        outs.append((acc / denom.unsqueeze(-1)).view(n, t, group, d))
+    return torch.stack(outs, dim=2).reshape(n, t, heads, d).to(q.dtype)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Whole rows [B, T, heads, D] (no cache), through `attention`: what a trainer runs."""
-    b, t = q.shape[:2]
-    tiles = -(-t // QUERY_TILE)
-    tq, length = tiles * QUERY_TILE, padded_keys(t)
-    qp = F.pad(q, (0, 0, 0, 0, 0, tq - t)).view(b * tiles, QUERY_TILE, *q.shape[2:])
-    keys = F.pad(k, (0, 0, 0, 0, 0, length - t)).repeat_interleave(tiles, dim=0)
-    values = F.pad(v, (0, 0, 0, 0, 0, length - t)).repeat_interleave(tiles, dim=0)
-    pos = torch.arange(tq, device=q.device).clamp(max=t - 1).view(1, tiles, QUERY_TILE).expand(b, -1, -1)
-    out = attention(qp, keys, values, pos.reshape(b * tiles, QUERY_TILE), scale)
-    return out.reshape(b, tq, *out.shape[2:])[:, :t]
+    """Whole rows [B, T, heads, D] (no cache), through `attend`: what a trainer runs."""
+    b, t, heads, d = q.shape
+    kv = k.shape[2]
+    plan = plan_tiles([0] * b, [t] * b, [i * t for i in range(b)],
+                      lambda seq, pos: seq.view(-1, 1) * t + pos.clamp(max=t - 1).view(1, -1), heads // kv, q.device)
+    out = attend(q.reshape(b * t, heads, d), k.reshape(b * t, kv, d), v.reshape(b * t, kv, d), plan, scale)
+    return out.view(b, t, heads, d)

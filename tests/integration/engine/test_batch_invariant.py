@@ -119,6 +119,23 @@ def test_decode_equals_prefill_and_the_trainer_with_a_backward(tiny):
     assert any(g.abs().sum() > 0 for g in grads)
 
 
+def test_thread_count_does_not_change_bits(tmp_path):
+    """uni at 1, 2 and 3 threads (mp gives each worker a share of the cores), on a model
+    wide enough (hidden 1024) that MKL would split a GEMM's K between threads when its
+    batch has fewer products than threads."""
+    wide = make_random_checkpoint(tmp_path / "wide", hidden_size=1024, num_layers=1, num_heads=8,
+                                  num_kv_heads=2, intermediate_size=256, vocab_size=VOCAB, seed=4)
+    before, results = torch.get_num_threads(), []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            with LLM(model=str(wide), batch_invariant=True) as llm:
+                results.append(workload(llm, VOCAB))
+    finally:
+        torch.set_num_threads(before)
+    assert results[1] == results[0] and results[2] == results[0]
+
+
 @pytest.mark.timeout(420)
 @pytest.mark.xdist_group("world8")
 def test_layouts_tp_1_2_4_8_pp_dp_ep_and_moe(tiny, tmp_path):
