@@ -99,6 +99,8 @@ def cpu_native_half(dtype: torch.dtype, environ: Mapping[str, str] = os.environ)
     have = [label for flag, label in wanted.items() if flag in cpu_flags()]
     if have and torch.backends.mkldnn.is_available():
         return True, "CPU has " + ", ".join(have)
+    if have:
+        return False, "CPU has " + ", ".join(have) + ", but this torch has no oneDNN"
     return False, "CPU has no " + " or ".join(wanted.values()) + ": float32 is faster"
 
 
