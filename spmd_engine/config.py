@@ -171,7 +171,8 @@ class ModelConfig:
     """Which checkpoint, in which dtype. `model=None` means the bundled model."""
 
     model: str | None = None
-    dtype: str | None = None  # None: config.json's torch_dtype on GPU, float32 on CPU
+    dtype: str | None = None  # None or "auto": loader.choose_dtype (config.json's on GPU; on CPU
+    # its bf16/fp16 where the CPU runs that natively, else float32)
     pp_partition: str | None = None  # e.g. "3,3,2"; else SPMD_ENGINE_PP_PARTITION or vLLM's split
     load_format: str = "auto"  # "dummy": random weights, the checkpoint's tensors are never read
     logprobs_mode: str = "raw_logprobs"  # vLLM's four: what logprobs and prompt_logprobs hold

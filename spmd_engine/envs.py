@@ -21,6 +21,8 @@ WORKER_MULTIPROC_METHOD = "SPMD_ENGINE_WORKER_MULTIPROC_METHOD"
 CPU_PACKED_WEIGHTS = "SPMD_ENGINE_CPU_PACKED_WEIGHTS"
 DISABLE_SHM_ALLREDUCE = "SPMD_ENGINE_DISABLE_SHM_ALLREDUCE"
 DISABLE_SHM_HANDOFF = "SPMD_ENGINE_DISABLE_SHM_HANDOFF"
+CPU_BF16 = "SPMD_ENGINE_CPU_BF16"
+CPU_FP16 = "SPMD_ENGINE_CPU_FP16"
 
 BATCH_INVARIANT = "VLLM_BATCH_INVARIANT"  # vLLM's name, so its users' habit carries over
 
@@ -62,6 +64,24 @@ def worker_multiproc_method(environ: Mapping[str, str] = os.environ) -> str:
 def cpu_packed_weights(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether CPU linear weights may be packed for oneDNN ("0" turns it off)."""
     return environ.get(CPU_PACKED_WEIGHTS, "1") != "0"
+
+
+def cpu_bf16(environ: Mapping[str, str] = os.environ) -> bool | None:
+    """Whether `--dtype auto` may treat this CPU as running bf16 natively: "1" pretends it
+    has AVX512-BF16 or AMX-BF16, "0" that it has neither; unset or "auto" detects it."""
+    return _switch(CPU_BF16, environ)
+
+
+def cpu_fp16(environ: Mapping[str, str] = os.environ) -> bool | None:
+    """The same for fp16 (AMX-FP16)."""
+    return _switch(CPU_FP16, environ)
+
+
+def _switch(name: str, environ: Mapping[str, str]) -> bool | None:
+    raw = environ.get(name, "auto")
+    if raw not in ("", "auto", "0", "1"):
+        raise ConfigError(f"{name} must be auto, 0 or 1, got {raw!r}")
+    return None if raw in ("", "auto") else raw == "1"
 
 
 def shm_allreduce_enabled(environ: Mapping[str, str] = os.environ) -> bool:

@@ -10,6 +10,7 @@ against max_model_len, and a KV budget too small for one sequence.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from dataclasses import dataclass, fields
 
@@ -26,6 +27,8 @@ from spmd_engine.config import (
 from spmd_engine.engine.dp_waves import needs_dp_waves
 from spmd_engine.engine.vllm_args import none_means_default
 from spmd_engine.worker import kv_sizing
+
+logger = logging.getLogger("spmd_engine")
 
 
 @dataclass
@@ -119,6 +122,8 @@ class EngineArgs:
             timeout_s=self.timeout_s if self.timeout_s is not None else envs.timeout_s(),
             dp_waves=needs_dp_waves(parallel, inputs.hf_config),
         )
+        from spmd_engine.model.loader import choose_dtype
+        logger.info("%s", choose_dtype(model_config.dtype, inputs.hf_config, config.device)[1])
         if check_kv_budget:
             check_kv_budget_up_front(config, inputs.hf_config, spec)
         return EngineSetup(config, inputs, spec)

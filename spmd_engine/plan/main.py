@@ -111,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         print(render_plan(layout, backend, args.nnodes, args.enable_expert_parallel))
         if moe is not None:
             print("\n" + render_moe_plan(moe))
+        if kv is not None:
+            print(kv["dtype_line"])
         if kv is not None and gpu_memory is None:  # with --gpu-memory the memory plan answers it
             print(kv["line"])
         if memory is not None:
@@ -154,9 +156,12 @@ def memory_plan_from_args(args, setup, layout: Layout, gpu_memory: int | None) -
 def kv_plan_from_args(setup) -> dict:
     """The KV budget per rank for --model at this layout."""
     from spmd_engine.engine.arg_utils import front_end_kv_plan
+    from spmd_engine.model.loader import choose_dtype
     config, processor = setup.config, setup.inputs
     plan = front_end_kv_plan(config, processor.hf_config, setup.spec)
-    return {"bytes_per_token": plan.bytes_per_token, "budget_bytes": plan.budget_bytes,
+    dtype, dtype_line = choose_dtype(config.model_config.dtype, processor.hf_config, config.device)
+    return {"dtype": str(dtype).removeprefix("torch."), "dtype_line": dtype_line,
+            "bytes_per_token": plan.bytes_per_token, "budget_bytes": plan.budget_bytes,
             "block_size": plan.block_size, "num_blocks": plan.num_blocks, "budget_source": plan.source,
             "max_model_len": processor.max_model_len, "line": plan.describe(processor.max_model_len)}
 

@@ -29,7 +29,7 @@ def memory_plan(setup, layout: Layout, gpu_memory: int | None, gpus_per_node: in
     fit = _layout_memory(models, setup, layout, config.parallel_config, config.model_config.pp_partition,
                          gpu_memory)
     smallest = _smallest_fit(models, setup, gpu_memory, gpus_per_node) if gpu_memory else None
-    return {"per_rank": fit["per_rank"], "fits": fit["why_not"] is None,
+    return {"dtype": str(dtype).removeprefix("torch."), "per_rank": fit["per_rank"], "fits": fit["why_not"] is None,
             "verdict": _verdict(fit, layout, setup, gpu_memory, gpus_per_node, smallest)}
 
 

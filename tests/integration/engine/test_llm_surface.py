@@ -203,3 +203,16 @@ def test_none_means_vllms_default_as_trainers_pass_it(ckpt, caplog):
     assert not [r for r in caplog.records if "no effect here" in r.getMessage()]  # None and defaults: silent
     with pytest.raises(ConfigError, match="quantization='awq' is not supported"):
         LLM(model=str(ckpt), quantization="awq")
+
+
+@pytest.mark.timeout(120)
+def test_llm_auto_runs_a_bf16_checkpoint_in_bf16_where_native(tmp_path, monkeypatch):
+    """The engine's side of tests/unit/model/test_dtype.py: the model a worker builds."""
+    import torch
+    monkeypatch.setenv("SPMD_ENGINE_CPU_BF16", "1")
+    bf16_ckpt = make_tiny_checkpoint(tmp_path, dtype="bfloat16")
+    with LLM(model=str(bf16_ckpt), max_model_len=64, distributed_executor_backend="uni") as llm:
+        model = llm.llm_engine.model_executor.driver_worker.model_runner.model
+        assert model.dtype == torch.bfloat16
+        out = llm.generate([{"prompt_token_ids": [1, 5, 9]}], SamplingParams(max_tokens=4, temperature=0.0))
+        assert len(out[0].outputs[0].token_ids) == 4
