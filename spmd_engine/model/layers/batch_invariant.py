@@ -10,8 +10,8 @@ depend on its batch (or on the process's thread count). These do not, by constru
 
 - `linear`: rows go through one kernel in tiles of `tile_rows` (padded), so every product
   the kernel sees has the same shape and a row's sums run in the same order wherever it
-  sits. fp32 tiles go to one batched call of at least as many tiles as threads (and two):
-  then MKL runs each product on one thread, sequentially; given fewer, it splits a
+  sits. fp32 tiles go to one batched call of at least as many products as threads (and
+  two): then MKL runs each product on one thread, sequentially; given fewer, it splits a
   product's K between threads (measured), and a row's bits would follow the thread count.
 - `row_parallel_linear`: the reduction dimension is cut into REDUCE_CHUNKS (the largest
   supported TP) products summed in one fixed pairwise tree; a TP rank computes its subtree
@@ -48,6 +48,8 @@ KEY_BLOCK = 32
 MIN_ROWS = 16  # rows of every attention product: fewer meet MKL's small-M kernels
 LONG_TILE = 32  # queries per attention tile of a prompt (or chunk) longer than a short tile
 SUM_CHUNK = 64
+COLUMN_BLOCK = 64  # a decode's output columns are cut between threads in multiples of this,
+MIN_COLUMNS = 256  # and no narrower (MKL's narrow products sum in another order: measured)
 GRAIN = 32768  # torch's elementwise kernels split work between threads from this many elements
 MAX_SCORES = 1 << 22  # score elements per attention call (tiles are independent: any split)
 
@@ -62,20 +64,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     lead, (n, k) = x.shape[:-1], weight.shape
     rows = x.reshape(-1, k)
     m, t = rows.shape[0], tile_rows(x.dtype)
-    fp32 = x.dtype == torch.float32
-    # fp32: a tile a thread at least, see above (MKL splits K when its batch is smaller)
-    padded = max(-(-m // t), max(2, torch.get_num_threads()) if fp32 else 1) * t
-    if padded != m:
-        rows = F.pad(rows, (0, 0, 0, padded - m))
-    tiles = rows.view(-1, t, k)
-    if fp32:  # one batched call, the weight broadcast (not copied)
-        y = torch.bmm(tiles, weight.t().expand(tiles.shape[0], k, n))
-    else:  # CPU bmm has no fast half-precision path (nor a thread-invariant one): a call a tile
-        y = torch.stack([tile @ weight.t() for tile in tiles.unbind(0)])
-    y = y.reshape(-1, n)[:m]
+    if x.dtype != torch.float32:  # CPU bmm has no fast half-precision path (nor a thread-invariant one)
+        rows = F.pad(rows, (0, 0, 0, -m % t))
+        y = torch.cat([tile @ weight.t() for tile in rows.split(t)])[:m]
+    else:
+        y = _batched_tiles(rows, weight, m, t)
     if bias is not None:
         y = y + bias
     return y.view(*lead, n)
+
+
+def _batched_tiles(rows: torch.Tensor, weight: torch.Tensor, m: int, t: int) -> torch.Tensor:
+    """fp32: one bmm of at least as many products as threads, each run sequentially (see
+    above). One tile (a decode) is cut by output columns instead, a block a thread: a
+    column's sums do not depend on its neighbours when blocks are multiples of COLUMN_BLOCK,
+    at least MIN_COLUMNS wide (measured: an odd width meets an edge kernel, a narrow product
+    another algorithm), and each thread reads only its block of W."""
+    (n, k), want = weight.shape, max(2, torch.get_num_threads())
+    if m <= t and n % (COLUMN_BLOCK * want) == 0 and n // want >= MIN_COLUMNS:
+        tile = F.pad(rows, (0, 0, 0, t - m)).unsqueeze(0).expand(want, t, k)
+        y = torch.bmm(tile, weight.unflatten(0, (want, -1)).transpose(1, 2))  # [want, t, n / want]
+        return y.transpose(0, 1).reshape(t, n)[:m]
+    tiles = F.pad(rows, (0, 0, 0, max(-(-m // t), want) * t - m)).view(-1, t, k)
+    return torch.bmm(tiles, weight.t().expand(tiles.shape[0], k, n)).reshape(-1, n)[:m]
 
 
 def tree_sum(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -24,10 +24,12 @@ def threads():
     torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_linear_rows_ignore_neighbours_and_threads(dtype, threads):
+@pytest.mark.parametrize("dtype,width", [(torch.float32, 512), (torch.float32, 768), (torch.float32, 256), (torch.float32, 300),
+                                         (torch.bfloat16, 256)])
+def test_linear_rows_ignore_neighbours_and_threads(dtype, width, threads):
+    """Width 512 cuts a decode's columns between 2 threads, 768 between 2 and 3; 256 (too narrow) and 300 never."""
     gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(256, 1024, generator=gen).to(dtype)
+    weight = torch.randn(width, 1024, generator=gen).to(dtype)
     x = torch.randn(80, 1024, generator=gen).to(dtype)
     torch.set_num_threads(1)
     want = torch.cat([bi.linear(x[i:i + 1], weight) for i in range(len(x))])
