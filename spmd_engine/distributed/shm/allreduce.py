@@ -247,17 +247,13 @@ class ShmAllReduce:
         timeout, a dead peer or a peer that declared the group broken."""
         read, mm = self._read[buf], self._mm
         for _ in range(self._spins):  # the common case, a peer just behind: no set-up at all
-            got = read(mm)
-            if got == want:
+            if read(mm) == want:
                 return
-            if stamp.settled(got, gen):
-                break
-        else:
-            self._waiter.wait(lambda: stamp.settled(read(mm), gen), time.monotonic() + self.timeout_s,
-                              (buf, gen, op))
-            got = read(mm)  # settled stays settled until this rank publishes gen + 1
-            if got == want:
-                return
+        self._waiter.wait(lambda: stamp.settled(read(mm), gen, want), time.monotonic() + self.timeout_s,
+                          (buf, gen, op))
+        got = read(mm)  # settled stays settled until this rank publishes gen + 1
+        if got == want:
+            return
         for peer in range(self.nranks):
             if got[4 * peer + BROKEN]:  # it gave up: so does everyone
                 raise self._failure(op, f"failed: rank {peer} in group declared it broken")

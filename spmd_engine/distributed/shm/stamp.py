@@ -57,10 +57,11 @@ def code(op: str, dtype: torch.dtype) -> int:
     return OPS[op] * 64 + DTYPE_CODE[dtype]
 
 
-def settled(got: tuple, gen: int) -> bool:
-    """Whether the wait for operation `gen` is over: a rank declared itself broken, or every
-    rank's stamp is whole and of `gen` or beyond (then `got` is final: compare it)."""
-    if any(got[0::4]):
+def settled(got: tuple, gen: int, want: tuple | None = None) -> bool:
+    """Whether the wait for operation `gen` is over: `got` is `want`, a rank declared itself
+    broken, or every rank's stamp is whole and of `gen` or beyond (then `got` is final:
+    compare it)."""
+    if got == want or any(got[0::4]):
         return True
     t = tag(gen)
     for w0, w1, w2 in zip(got[1::4], got[2::4], got[3::4]):
