@@ -154,7 +154,7 @@ class GroupCoordinator:
         """Sum over the group, in place; returns `t` (the input itself at size 1)."""
         if self.world_size == 1:
             return t
-        if t.device.type == "cpu":
+        if t.is_cpu:  # not t.device: building a device object costs more than the rest of this check
             shm = self._shared_memory()
             if shm and shm.supports(t):
                 return shm.all_reduce(t)
@@ -179,7 +179,7 @@ class GroupCoordinator:
         """Every rank's `t`, concatenated along `dim` in rank order."""
         if self.world_size == 1:
             return t
-        if t.device.type == "cpu":
+        if t.is_cpu:
             shm = self._shared_memory()
             if shm and shm.supports(t):
                 return torch.cat(shm.all_gather(t).unbind(0), dim=dim)

@@ -13,15 +13,16 @@ wait per operation enough: a rank can only start operation g + 1 after everyone 
 g, i.e. after everyone finished reading operation g - 1, the last user of the buffer it is
 about to overwrite. Tensors larger than a slot go chunk by chunk.
 
-Every slot is stamped. Before publishing operation g a rank writes, in its own line for
-buffer g % 2, (g, operation and dtype, this chunk's bytes, the whole tensor's bytes); after
-the wait every rank checks that every peer's stamp equals its own. Ranks that disagree on
-what operation g is (one rank aborted a step and the others did not, a caller passed
-different sizes) raise CollectiveError instead of summing unrelated bytes. A rank that
-fails (timeout, dead peer, mismatch) is broken for good (broken.py) and raises its own
-`broken` word in the segment: its peers see it within their wait and fail too.
+Every slot is stamped, and the stamp is the counter (stamp.py): after its data a rank
+writes, in its own line for buffer g % 2, (g, operation and dtype, this chunk's bytes, the
+whole tensor's bytes) with one store call, and waits until one read of every rank's line
+shows each rank's stamp equal to its own. Ranks that disagree on what operation g is (one
+rank aborted a step and the others did not, a caller passed different sizes) raise
+CollectiveError instead of summing unrelated bytes. A rank that fails (timeout, dead peer,
+mismatch) is broken for good (broken.py) and raises its own `broken` word, next to its
+stamps: the same read shows it to its peers, which fail too, within their wait.
 
-Stores are ordered by x86's TSO memory model (data before counter), which this protocol
+Stores are ordered by x86's TSO memory model (data before stamp), which this protocol
 relies on without fences; on other architectures the gloo path is used instead.
 
 Lifetime (segment.py). The group's first rank creates the segment; when every member can
@@ -44,20 +45,17 @@ import torch.distributed as dist
 from spmd_engine import envs
 from spmd_engine.distributed.errors import CollectiveError
 
+from . import stamp
 from .broken import Broken
 from .peers import handshake
 from .segment import SHM_DIR, Lifetime, Segment, SegmentRef
+from .stamp import BROKEN, LINE, RECORD, SUPPORTED_DTYPES
 from .waiter import Waiter, WaitPolicy, weak
 
 logger = logging.getLogger("spmd_engine")
 
 SHM_PREFIX = "spmd_ar_"
 DEFAULT_SLOT_BYTES = 1 << 20
-LINE = 128  # two cache lines per rank: counter, broken word, a stamp per buffer; no false sharing
-_COUNTER, _BROKEN, _STAMP = 0, 1, 2  # int64 fields of a rank's line; stamps: 4 fields per buffer
-_OPS = {"all_reduce": 1, "all_gather": 2}
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64,
-                    torch.int32, torch.int64)
 _HALF = (torch.bfloat16, torch.float16)
 
 
@@ -84,19 +82,22 @@ class ShmAllReduce:
         self.nranks, self.rank, self.slot_bytes = nranks, rank, slot_bytes
         self.label, self.timeout_s, self.peers = label, timeout_s, peers
         self._seg = seg
-        mm = seg.mm
+        self._mm = mm = seg.mm
         self._bytes = torch.frombuffer(mm, dtype=torch.uint8)
         self._lines = np.frombuffer(mm, dtype=np.int64, count=nranks * LINE // 8).reshape(nranks, LINE // 8)
-        self._counters = self._lines[:, _COUNTER]
         self._data_offset = nranks * LINE
-        self._views: dict[tuple[int, torch.dtype, int], list[torch.Tensor]] = {}
-        self._gen = int(self._counters[rank])
+        # Per (operation, buffer, dtype, shape): every rank's slot viewed as that shape, the
+        # stamp's code and chunk bytes. Sizes repeat, so an operation builds no view.
+        self._views: dict[tuple, tuple[list[torch.Tensor], int, int]] = {}
+        self._mine = (stamp.record_offset(rank, 0), stamp.record_offset(rank, 1))
+        self._read = tuple(stamp.header(nranks, buf).unpack_from for buf in (0, 1))
+        self._gen = max(RECORD.unpack_from(mm, at)[0] >> 8 for at in self._mine)
         self.broken = Broken()
         # More ranks than cores: a polling rank holds the core the rank it waits for needs,
         # so wait politely (yield at once) instead of polling first.
         self._spins = 0 if nranks > _usable_cores() else 200
         policy = WaitPolicy(yield_s=0.002, first_sleep_s=0.0, max_sleep_s=1e-3, alive_every_s=0.1)
-        self._waiter = Waiter(policy, timed_out=weak(self._timed_out), between=weak(self._between),
+        self._waiter = Waiter(policy, timed_out=weak(self._timed_out),
                               watch=weak(self._watch) if any(peers) else None)
 
     # ---- construction -------------------------------------------------
@@ -159,17 +160,21 @@ class ShmAllReduce:
     def supports(self, t: torch.Tensor) -> bool:
         """Whether `t` goes through shared memory. A broken group still says yes for the
         tensors it used to take, so the caller gets the error instead of a gloo fallback."""
-        return t.device.type == "cpu" and t.dtype in SUPPORTED_DTYPES
+        return t.is_cpu and t.dtype in SUPPORTED_DTYPES
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum `t` over the group, in place, identical bits on every rank; returns `t`."""
-        self._check_usable("all_reduce")
+        if self.broken.why is not None:
+            raise self._unusable("all_reduce")
+        nbytes = t.numel() * t.element_size()
+        if 0 < nbytes <= self.slot_bytes and t.is_contiguous():  # decode's case: no view, no copy
+            self._reduce_chunk(t, nbytes)
+            return t
         work = t if t.is_contiguous() else t.contiguous()
         flat = work.view(-1)
         step = self.slot_bytes // flat.element_size()
-        total = flat.numel() * flat.element_size()
         for start in range(0, flat.numel(), step):
-            self._reduce_chunk(flat[start:start + step], total)
+            self._reduce_chunk(flat[start:start + step], nbytes)
         if work is not t:
             t.copy_(work)
         return t
@@ -180,7 +185,8 @@ class ShmAllReduce:
         Same protocol as the all-reduce, reading the slots instead of summing them (TP's
         LM head gathers its vocabulary slices this way every step).
         """
-        self._check_usable("all_gather")
+        if self.broken.why is not None:
+            raise self._unusable("all_gather")
         flat = t.contiguous().view(-1)
         out = torch.empty((self.nranks, flat.numel()), dtype=t.dtype)
         step = self.slot_bytes // flat.element_size()
@@ -191,59 +197,35 @@ class ShmAllReduce:
                 out[rank, start:start + chunk.numel()].copy_(view)
         return out.view(self.nranks, *t.shape)
 
-    def _check_usable(self, op: str) -> None:
-        if self.broken.why is None:
-            peer = self._peer_broken()
-            if peer is not None:
-                self.broken.set(f"rank {peer} in group declared it broken")
-        if self.broken.why is not None:
-            raise CollectiveError(f"{op} on group {self.label} unusable: {self.broken.why} (shared-memory path)")
+    def _unusable(self, op: str) -> CollectiveError:
+        return CollectiveError(f"{op} on group {self.label} unusable: {self.broken.why} (shared-memory path)")
 
-    def _peer_broken(self) -> int | None:
-        flags = self._lines[:, _BROKEN]
-        for peer in range(self.nranks):
-            if peer != self.rank and flags[peer]:
-                return peer
-        return None
-
-    def _slots(self, buf: int, dtype: torch.dtype, n: int) -> list[torch.Tensor]:
-        """Every rank's slot in buffer `buf` as `n` elements of `dtype`, cached (sizes repeat)."""
-        key = (buf, dtype, n)
-        views = self._views.get(key)
-        if views is None:
-            if len(self._views) > 256:
-                self._views.clear()
-            views = []
-            for rank in range(self.nranks):
-                offset = self._data_offset + (buf * self.nranks + rank) * self.slot_bytes
-                views.append(self._bytes[offset:offset + self.slot_bytes].view(dtype)[:n])
-            self._views[key] = views
-        return views
+    def _slots(self, key: tuple) -> tuple[list[torch.Tensor], int, int]:
+        """Every rank's slot in buffer `buf` as `shape` of `dtype`, the stamp's code, the bytes."""
+        op, buf, dtype, shape = key
+        views = []
+        for rank in range(self.nranks):
+            offset = self._data_offset + (buf * self.nranks + rank) * self.slot_bytes
+            views.append(self._bytes[offset:offset + self.slot_bytes].view(dtype)[:shape.numel()].view(shape))
+        if len(self._views) > 256:
+            self._views.clear()
+        entry = self._views[key] = (views, stamp.code(op, dtype), shape.numel() * views[0].element_size())
+        return entry
 
     def _exchange(self, chunk: torch.Tensor, op: str, total: int) -> list[torch.Tensor]:
         """Publish `chunk` as operation number gen, wait for every rank's; their slots, in rank order."""
         gen = self._gen + 1
-        buf = gen % 2
-        views = self._slots(buf, chunk.dtype, chunk.numel())
-        stamp = (gen, _OPS[op] * 64 + SUPPORTED_DTYPES.index(chunk.dtype),
-                 chunk.numel() * chunk.element_size(), total)
-        lines = self._lines
-        first = _STAMP + 4 * buf
-        lines[self.rank, first:first + 4] = stamp
+        buf = gen & 1
+        key = (op, buf, chunk.dtype, chunk.shape)
+        views, code, nbytes = self._views.get(key) or self._slots(key)
         views[self.rank].copy_(chunk)
+        tag = stamp.tag(gen)
+        words = (gen << 8 | code, tag | nbytes, tag | total)
+        RECORD.pack_into(self._mm, self._mine[buf], *words)  # the stamp, after the data (TSO)
         self._gen = gen
-        counters = self._counters
-        counters[self.rank] = gen  # after the stamp and the data (TSO keeps store order)
-        for peer in range(self.nranks):
-            if counters[peer] < gen:
-                self._wait_for(peer, gen, op)
-        for peer in range(self.nranks):
-            if lines[peer, _BROKEN]:  # it gave up on this operation: so does everyone
-                raise self._failure(op, f"failed: rank {peer} in group declared it broken")
-            theirs = tuple(int(v) for v in lines[peer, first:first + 4])
-            if theirs != stamp:
-                raise self._failure(op, f"failed: operation mismatch: this rank's operation {gen} is "
-                                        f"{_describe(stamp)}, rank {peer}'s is {_describe(theirs)}")
+        want = (0, *words) * self.nranks
+        if self._read[buf](self._mm) != want:
+            self._wait(buf, want, gen, op)
         return views
 
     def _reduce_chunk(self, chunk: torch.Tensor, total: int) -> None:
@@ -260,38 +242,49 @@ class ShmAllReduce:
             for view in views[2:]:
                 chunk.add_(view)
 
-    def _wait_for(self, peer: int, gen: int, op: str) -> None:
-        """Until `peer` published operation `gen`; fail on timeout, a dead peer or a peer that
-        declared the group broken."""
-        counters = self._counters
-        for _ in range(self._spins):  # the common case, the peer just behind: no set-up at all
-            if counters[peer] >= gen:
+    def _wait(self, buf: int, want: tuple, gen: int, op: str) -> None:
+        """Until every rank's stamp of operation `gen` reads `want`; fail on a mismatch, a
+        timeout, a dead peer or a peer that declared the group broken."""
+        read, mm = self._read[buf], self._mm
+        for _ in range(self._spins):  # the common case, a peer just behind: no set-up at all
+            if read(mm) == want:
                 return
-        self._waiter.wait(lambda: counters[peer] >= gen, time.monotonic() + self.timeout_s, (peer, op))
+        self._waiter.wait(lambda: stamp.settled(read(mm), gen, want), time.monotonic() + self.timeout_s,
+                          (buf, gen, op))
+        got = read(mm)  # settled stays settled until this rank publishes gen + 1
+        if got == want:
+            return
+        for peer in range(self.nranks):
+            if got[4 * peer + BROKEN]:  # it gave up: so does everyone
+                raise self._failure(op, f"failed: rank {peer} in group declared it broken")
+        mine = want[1:4]
+        for peer in range(self.nranks):
+            theirs = got[4 * peer + 1:4 * peer + 4]
+            if theirs != mine:
+                raise self._failure(op, f"failed: operation mismatch: this rank's operation {gen} is "
+                                        f"{stamp.describe(mine)}, rank {peer}'s is {stamp.describe(theirs)}")
 
-    # The waiter's checks; ``about`` is (the peer waited for, the operation).
+    # The waiter's checks; ``about`` is (buffer, operation number, operation).
+    def _behind(self, about) -> list[int]:
+        buf, gen, _ = about
+        return stamp.behind(self._read[buf](self._mm), gen)
+
     def _timed_out(self, about) -> BaseException:
-        peer, op = about
-        return self._failure(op, f"timed out after {self.timeout_s:g}s waiting for rank {peer} in group")
+        peers = self._behind(about) or ["?"]
+        return self._failure(about[2], f"timed out after {self.timeout_s:g}s waiting for rank "
+                                       f"{', '.join(map(str, peers))} in group")
 
     def _watch(self, about) -> None:
-        peer, op = about
-        watched = self.peers[peer]
-        if watched is not None and not watched.alive():
-            raise self._failure(op, f"failed: rank {peer} in group (pid {watched.pid}) died")
-
-    def _between(self, ready, about) -> None:
-        peer, op = about
-        broken_by = self._peer_broken()
-        if broken_by is not None:
-            raise self._failure(op, f"failed: rank {broken_by} in group declared it broken while "
-                                    f"this rank waited for rank {peer}")
+        for peer in self._behind(about):
+            watched = self.peers[peer]
+            if watched is not None and not watched.alive():
+                raise self._failure(about[2], f"failed: rank {peer} in group (pid {watched.pid}) died")
 
     def _failure(self, op: str, why: str) -> CollectiveError:
         """Declare the group broken (peers see it in their wait); the error to raise."""
         self.broken.set(why)
         if self._lines is not None:
-            self._lines[self.rank, _BROKEN] = 1
+            self._lines[self.rank, BROKEN] = 1
         return CollectiveError(f"{op} on group {self.label} {why} (shared-memory path)")
 
     # ---- teardown ---------------------------------------------------
@@ -300,15 +293,8 @@ class ShmAllReduce:
         if self._seg is None:
             return
         self._views.clear()
-        self._bytes = self._counters = self._lines = None
+        self._bytes = self._lines = self._mm = None
         self._seg.close()  # a caller still holding a view: the OS unmaps at exit
         self._seg = None
         self.broken.set("destroyed")
 
-
-def _describe(stamp: tuple) -> str:
-    gen, code, nbytes, total = stamp
-    ops = {v: k for k, v in _OPS.items()}
-    op, dtype = ops.get(code // 64, f"operation code {code // 64}"), code % 64
-    dtype = str(SUPPORTED_DTYPES[dtype]).replace("torch.", "") if dtype < len(SUPPORTED_DTYPES) else "?"
-    return f"#{gen} {op} of {total} B {dtype} (chunk {nbytes} B)"

@@ -56,6 +56,10 @@ def _rank_main(rank: int, scenario: str, store: str, out: str) -> None:
             attempt("mismatch", lambda: shm.all_reduce(torch.full((8,), 2.0)).tolist())
         else:
             attempt("mismatch", lambda: shm.all_gather(torch.full((8,), 2.0)).tolist())
+    elif scenario == "dtype":
+        # Same bytes (32), different dtype: summing them would mix float32 and bfloat16 bits.
+        dtype, n = (torch.float32, 8) if rank == 0 else (torch.bfloat16, 16)
+        attempt("mismatch", lambda: shm.all_reduce(torch.full((n,), 2.0, dtype=dtype)).tolist())
     elif scenario == "abort":
         # Rank 0 gives up on an operation rank 1 reaches late (a timeout); before, rank 1 still
         # completed it, and rank 0's next operation went to gloo while rank 1 stayed on shm.
@@ -81,7 +85,7 @@ def events(result: dict) -> dict:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("scenario", ["size", "op"])
+@pytest.mark.parametrize("scenario", ["size", "op", "dtype"])
 def test_a_mismatched_operation_raises_on_every_rank(tmp_path, scenario):
     for result in run_pair(tmp_path, scenario):
         ev = events(result)
