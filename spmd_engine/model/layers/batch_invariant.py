@@ -55,7 +55,8 @@ MAX_SCORES = 1 << 22  # score elements per attention call (tiles are independent
 
 
 def tile_rows(dtype: torch.dtype) -> int:
-    """fp32: 16, MKL's smallest full kernel; bf16 and fp16: 32 (one oneDNN call a tile)."""
+    """fp32: 16, MKL's smallest full kernel; bf16 and fp16: 32 (oneDNN gives a row the same
+    bits in any call of 1 to 32 rows, measured and tested: their tiles are not padded)."""
     return 16 if dtype == torch.float32 else 32
 
 
@@ -65,8 +66,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows = x.reshape(-1, k)
     m, t = rows.shape[0], tile_rows(x.dtype)
     if x.dtype != torch.float32:  # CPU bmm has no fast half-precision path (nor a thread-invariant one)
-        rows = F.pad(rows, (0, 0, 0, -m % t))
-        y = torch.cat([tile @ weight.t() for tile in rows.split(t)])[:m]
+        y = torch.cat([tile @ weight.t() for tile in rows.split(t)]) if m > t else rows @ weight.t()
     else:
         y = _batched_tiles(rows, weight, m, t)
     if bias is not None:
@@ -103,8 +103,16 @@ def chunks_per_rank(tp_size: int) -> int:
 
 
 def partial_tree(x: torch.Tensor, weight: torch.Tensor, tp_size: int) -> torch.Tensor:
-    """This rank's subtree: its REDUCE_CHUNKS / tp_size slices of K, each a `linear`, summed."""
+    """This rank's subtree: its REDUCE_CHUNKS / tp_size slices of K, each a `linear`, summed.
+    A decode's fp32 slices go to one bmm, a slice a product (the same sequential product
+    `linear` runs for a tile), when there are enough of them for the threads."""
     n = chunks_per_rank(tp_size)
+    rows, t = x.reshape(-1, x.shape[-1]), tile_rows(x.dtype)
+    if x.dtype == torch.float32 and rows.shape[0] <= t and n >= max(2, torch.get_num_threads()):
+        m, (out, k) = rows.shape[0], weight.shape
+        tiles = F.pad(rows, (0, 0, 0, t - m)).view(t, n, k // n).transpose(0, 1)  # [n, t, K / n]
+        parts = torch.bmm(tiles, weight.unflatten(1, (n, -1)).permute(1, 2, 0))[:, :m]  # [n, m, N]
+        return tree_sum(list(parts.unbind(0))).view(*x.shape[:-1], out)
     return tree_sum([linear(xc, wc) for xc, wc in zip(x.chunk(n, dim=-1), weight.chunk(n, dim=-1))])
 
 

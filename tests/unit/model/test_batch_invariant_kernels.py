@@ -24,13 +24,14 @@ def threads():
     torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("dtype,width", [(torch.float32, 512), (torch.float32, 768), (torch.float32, 256), (torch.float32, 300),
-                                         (torch.bfloat16, 256)])
-def test_linear_rows_ignore_neighbours_and_threads(dtype, width, threads):
+@pytest.mark.parametrize("dtype,width,depth", [
+    (torch.float32, 512, 1024), (torch.float32, 768, 1024), (torch.float32, 256, 1024), (torch.float32, 300, 1024),
+    (torch.bfloat16, 256, 1024), (torch.bfloat16, 1536, 512)])  # oneDNN: 48+ rows sum otherwise at 512 x 1536
+def test_linear_rows_ignore_neighbours_and_threads(dtype, width, depth, threads):
     """Width 512 cuts a decode's columns between 2 threads, 768 between 2 and 3; 256 (too narrow) and 300 never."""
     gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(width, 1024, generator=gen).to(dtype)
-    x = torch.randn(80, 1024, generator=gen).to(dtype)
+    weight = torch.randn(width, depth, generator=gen).to(dtype)
+    x = torch.randn(80, depth, generator=gen).to(dtype)
     torch.set_num_threads(1)
     want = torch.cat([bi.linear(x[i:i + 1], weight) for i in range(len(x))])
     rng = random.Random(0)
@@ -39,6 +40,22 @@ def test_linear_rows_ignore_neighbours_and_threads(dtype, width, threads):
         for count in (1, 2, 7, 16, 17, 33, 80):
             start = rng.randrange(len(x) - count + 1)
             assert torch.equal(bi.linear(x[start:start + count], weight), want[start:start + count]), (n, count)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_parallel_subtree_rows_ignore_neighbours_and_threads(dtype, threads):
+    """A decode's slices go to one bmm, a prompt's through `linear`: the same bits."""
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(512, 2048, generator=gen).to(dtype)
+    x = torch.randn(40, 2048, generator=gen).to(dtype)
+    torch.set_num_threads(1)
+    want = torch.cat([bi.partial_tree(x[i:i + 1], weight, 1) for i in range(len(x))])
+    for n in threads:
+        torch.set_num_threads(n)
+        for count in (1, 5, 16, 17, 40):
+            assert torch.equal(bi.partial_tree(x[:count], weight, 1), want[:count]), (n, count)
+        halves = [bi.partial_tree(xc, wc, 2) for xc, wc in zip(x[:3].chunk(2, dim=-1), weight.chunk(2, dim=-1))]
+        assert torch.equal(halves[0] + halves[1], want[:3])  # TP=2's two subtrees, summed by the tree
 
 
 @pytest.mark.parametrize("fn", [torch.exp, torch.nn.functional.silu, torch.sigmoid])
