@@ -251,10 +251,17 @@ def plan_tiles(context_lens: Sequence[int], query_lens: Sequence[int], row_start
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: TilePlan, scale: float) -> torch.Tensor:
-    """Packed queries [N, heads, D] over flat keys, values [S, kv_heads, D] -> [N, heads, D]."""
+    """Packed queries [N, heads, D] over flat keys, values [S, kv_heads, D] -> [N, heads, D].
+    Each bucket's tiles are gathered and attended MAX_SCORES scores at a time (tiles are
+    independent: any split), so a long context's keys are never all copied at once."""
     qx = torch.cat([q, q.new_zeros(1, *q.shape[1:])])
-    outs = [attention(qx[b.index], keys[b.keys], values[b.keys], b.q_pos, scale).flatten(0, 1)
-            for b in plan.buckets]
+    outs = []
+    for b in plan.buckets:
+        step = max(2, MAX_SCORES // (b.index.shape[1] * q.shape[1] * b.keys.shape[1]))
+        for i in range(0, b.index.shape[0], step):
+            rows = b.keys[i:i + step]
+            outs.append(attention(qx[b.index[i:i + step]], keys[rows], values[rows], b.q_pos[i:i + step],
+                                  scale).flatten(0, 1))
     return (outs[0] if len(outs) == 1 else torch.cat(outs))[plan.unpack]
 
 
@@ -266,16 +273,6 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: 
     sequence, L a power-of-two number of KEY_BLOCKs; q_pos [n, t]: a query sees keys
     0..q_pos (padding queries: 0). Returns [n, t, heads, D] in q's dtype.
     """
-    outs = []
-    per_tile = q.shape[1] * q.shape[2] * keys.shape[1]
-    step = max(2, MAX_SCORES // per_tile)
-    for start in range(0, q.shape[0], step):
-        sl = slice(start, start + step)
-        outs.append(_attend_tiles(q[sl], keys[sl], values[sl], q_pos[sl], scale))
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
-
-
-def _attend_tiles(q, keys, values, q_pos, scale):
     n, t, heads, d = q.shape
     kv, length = keys.shape[2], keys.shape[1]
     group, nb = heads // kv, length // KEY_BLOCK
@@ -284,8 +281,8 @@ def _attend_tiles(q, keys, values, q_pos, scale):
     rows = t * group
     if rows < MIN_ROWS or n < 2:  # pad: no product smaller than MIN_ROWS, none alone in its call
         pad_t, pad_n = max(t, -(-MIN_ROWS // group)) - t, max(n, 2) - n
-        out = _attend_tiles(F.pad(q, (0, 0, 0, 0, 0, pad_t, 0, pad_n)), F.pad(keys, (0, 0, 0, 0, 0, 0, 0, pad_n)),
-                            F.pad(values, (0, 0, 0, 0, 0, 0, 0, pad_n)), F.pad(q_pos, (0, pad_t, 0, pad_n)), scale)
+        out = attention(F.pad(q, (0, 0, 0, 0, 0, pad_t, 0, pad_n)), F.pad(keys, (0, 0, 0, 0, 0, 0, 0, pad_n)),
+                        F.pad(values, (0, 0, 0, 0, 0, 0, 0, pad_n)), F.pad(q_pos, (0, pad_t, 0, pad_n)), scale)
         return out[:n, :t]
     f32 = torch.float32
     keys, values = keys.to(f32), values.to(f32)  # no copy in fp32
