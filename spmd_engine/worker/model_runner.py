@@ -54,7 +54,8 @@ class ModelRunner:
                                 device=self.device, pp_partition=mc.pp_partition,
                                 load_format=mc.load_format, batch_invariant=mc.batch_invariant, **self.moe_groups)
         if packing_applies(self.model.dtype, self.device, mc.batch_invariant):
-            packed = pack_linear_weights(self.model, batch_hint=self.config.scheduler_config.max_num_seqs)
+            packed = pack_linear_weights(self.model, batch_hint=self.config.scheduler_config.max_num_seqs,
+                                         batch_invariant=mc.batch_invariant)
             logger.debug("%d linear weights packed for oneDNN", packed)
         if mc.enable_return_routed_experts:
             self.model.record_routing()

@@ -66,12 +66,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows = x.reshape(-1, k)
     m, t = rows.shape[0], tile_rows(x.dtype)
     if x.dtype != torch.float32:  # CPU bmm has no fast half-precision path (nor a thread-invariant one)
-        y = torch.cat([tile @ weight.t() for tile in rows.split(t)]) if m > t else rows @ weight.t()
+        y = torch.cat([_half_tile(tile, weight) for tile in rows.split(t)]) if m > t else _half_tile(rows, weight)
     else:
         y = _batched_tiles(rows, weight, m, t)
     if bias is not None:
         y = y + bias
     return y.view(*lead, n)
+
+
+def _half_tile(tile: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Up to 32 rows through oneDNN: the engine's packed bf16 weight (packed_weights.py) gives
+    the same bits as a trainer's dense one."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(tile, weight, None, "none", [], "")
+    return tile @ weight.t()
 
 
 def _batched_tiles(rows: torch.Tensor, weight: torch.Tensor, m: int, t: int) -> torch.Tensor:

@@ -156,6 +156,7 @@ class RowParallelLinear(nn.Module):
     """
 
     packable_weight = True
+    packable_invariant = False  # batch-invariant mode slices the weight into its chunks
     batch_invariant = False  # a fixed chunked reduction tree instead of the all-reduce
 
     def __init__(self, input_size: int, output_size: int, group, bias: bool = False,

@@ -39,10 +39,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def packing_applies(dtype: torch.dtype, device: torch.device, batch_invariant: bool = False) -> bool:
     """fp32, or bf16 where oneDNN has bf16 kernels, on CPU, when a trial matmul agrees
-    with `F.linear`; unless switched off. Never in batch-invariant mode: oneDNN's packed
-    matmul picks its blocking by the row count, and a trainer's dense weights must meet the
-    same kernel."""
-    if batch_invariant or not envs.cpu_packed_weights() or torch.device(device).type != "cpu":
+    with `F.linear`; unless switched off. In batch-invariant mode bf16 only: there a tile
+    of up to 32 rows gets the same bits from the packed weight as from the dense one a
+    trainer holds (tests/unit/model/test_batch_invariant_kernels.py), while fp32 runs
+    MKL's batched GEMM, which has no packed form."""
+    if batch_invariant and dtype != torch.bfloat16:
+        return False
+    if not envs.cpu_packed_weights() or torch.device(device).type != "cpu":
         return False
     ops = torch.ops.mkldnn
     if not (torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise")
@@ -67,7 +70,7 @@ def _trial_matmul_agrees(dtype: torch.dtype) -> bool:
     return torch.allclose(got.float(), F.linear(x, weight, bias).float(), rtol=1e-2, atol=1e-2)
 
 
-def pack_linear_weights(model: nn.Module, batch_hint: int) -> int:
+def pack_linear_weights(model: nn.Module, batch_hint: int, batch_invariant: bool = False) -> int:
     """Pack the `weight` of every module that declares `packable_weight = True`.
 
     `batch_hint` (the expected rows per matmul, e.g. max_num_seqs) lets oneDNN
@@ -75,10 +78,13 @@ def pack_linear_weights(model: nn.Module, batch_hint: int) -> int:
     with another module (tied embedding and LM head) is copied for the head
     and stays dense for the embedding. Memory grows by one matrix at most while
     packing: each dense weight is released as soon as its packed copy exists.
-    Returns how many weights were packed.
+    Returns how many weights were packed. In batch-invariant mode the weights its kernels
+    slice (row-parallel chunks, experts) stay dense.
     """
     packed = 0
     for module in model.modules():
+        if batch_invariant and (hasattr(module, "pack_experts") or not getattr(module, "packable_invariant", True)):
+            continue
         if hasattr(module, "pack_experts"):  # MoE experts: packed per expert (moe.py)
             module.pack_experts(batch_hint)
             packed += 1

@@ -97,18 +97,21 @@ def test_negative_controls_fail_the_needle_test(tiny, monkeypatch):
         assert needle_mismatches(llm, trials=3) != []
 
 
-def test_decode_equals_prefill_and_the_trainer_with_a_backward(tiny):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_equals_prefill_and_the_trainer_with_a_backward(tiny, dtype):
+    """bf16: the engine packs its column-parallel and LM-head weights for oneDNN where the CPU
+    has bf16 kernels; the trainer's stay dense, the bits the same."""
     from spmd_engine.model.trainer import token_logprobs, trainer_model
     rng = random.Random(5)
     prompts = [[rng.randrange(VOCAB) for _ in range(rng.randrange(3, 60))] for _ in range(5)]
-    with LLM(model=str(tiny), batch_invariant=True) as llm:
+    with LLM(model=str(tiny), batch_invariant=True, dtype=dtype) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=10, logprobs=0, temperature=1.0, seed=3,
                                                     ignore_eos=True), use_tqdm=False)
         seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
         decode = [[d[t].logprob for t, d in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
         fed = llm.generate(seqs, SamplingParams(max_tokens=1, prompt_logprobs=0, ignore_eos=True), use_tqdm=False)
     prefill = [[d[t].logprob for t, d in zip(s[1:], f.prompt_logprobs[1:])] for s, f in zip(seqs, fed)]
-    model = trainer_model(tiny)
+    model = trainer_model(tiny, dtype=dtype)
     trained = token_logprobs(model, seqs)
     for p, dec, pre, tr in zip(prompts, decode, prefill, trained):
         assert pre[len(p) - 1:] == dec

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from spmd_engine.model.layers import batch_invariant as bi
+from spmd_engine.model.layers.packed_weights import packing_applies
 
 
 @pytest.fixture
@@ -56,6 +57,21 @@ def test_row_parallel_subtree_rows_ignore_neighbours_and_threads(dtype, threads)
             assert torch.equal(bi.partial_tree(x[:count], weight, 1), want[:count]), (n, count)
         halves = [bi.partial_tree(xc, wc, 2) for xc, wc in zip(x[:3].chunk(2, dim=-1), weight.chunk(2, dim=-1))]
         assert torch.equal(halves[0] + halves[1], want[:3])  # TP=2's two subtrees, summed by the tree
+
+
+@pytest.mark.skipif(not packing_applies(torch.bfloat16, torch.device("cpu"), batch_invariant=True),
+                    reason="this CPU or torch has no oneDNN bf16 kernels: bf16 weights are never packed here")
+def test_packed_bf16_tiles_equal_dense_ones(threads):
+    """What lets the engine pack bf16 weights in this mode while a trainer's stay dense."""
+    gen = torch.Generator().manual_seed(3)
+    for depth, width in ((512, 768), (1536, 512), (512, 32000)):
+        weight = torch.randn(width, depth, generator=gen).to(torch.bfloat16)
+        x = torch.randn(70, depth, generator=gen).to(torch.bfloat16)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 8)
+        for n in threads:
+            torch.set_num_threads(n)
+            for count in (1, 8, 32, 70):
+                assert torch.equal(bi.linear(x[:count], packed), bi.linear(x[:count], weight)), (depth, n, count)
 
 
 @pytest.mark.parametrize("fn", [torch.exp, torch.nn.functional.silu, torch.sigmoid])
