@@ -8,11 +8,14 @@ sequence lengths; a row-parallel layer's all-reduce adds partial products in a d
 order than one rank's matmul. Each is right to 1e-6, and each makes a request's logprobs
 depend on its batch (or on the process's thread count). These do not, by construction:
 
-- `linear`: rows go through one kernel in tiles of `tile_rows` (padded), so every product
-  the kernel sees has the same shape and a row's sums run in the same order wherever it
-  sits. fp32 tiles go to one batched call of at least as many products as threads (and
-  two): then MKL runs each product on one thread, sequentially; given fewer, it splits a
-  product's K between threads (measured), and a row's bits would follow the thread count.
+- `linear` (a whole weight): on CPU oneDNN in calls of up to ONEDNN_ROWS rows; oneDNN gives
+  a row the same bits in any call of 2 to 32 rows, at any thread count, with a packed
+  weight or a dense one (measured and tested; one row meets a matrix-vector kernel, so a
+  lone row is padded to two). `mkl_linear` (the row-parallel slices, sliced weights have no
+  packed form): rows in tiles of MKL_ROWS through one batched fp32 GEMM of at least as
+  many products as threads (and two): then MKL runs each product on one thread,
+  sequentially; given fewer, it splits a product's K between threads (measured), and a
+  row's bits would follow the thread count.
 - `row_parallel_linear`: the reduction dimension is cut into REDUCE_CHUNKS (the largest
   supported TP) products summed in one fixed pairwise tree; a TP rank computes its subtree
   and the ranks' subtrees are all-gathered and summed by the same tree, so TP 1, 2, 4 and 8
@@ -37,6 +40,7 @@ Everything is torch ops with autograd: a trainer calls the same functions (model
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -48,38 +52,72 @@ KEY_BLOCK = 32
 MIN_ROWS = 16  # rows of every attention product: fewer meet MKL's small-M kernels
 LONG_TILE = 32  # queries per attention tile of a prompt (or chunk) longer than a short tile
 SUM_CHUNK = 64
+ONEDNN_ROWS = 32  # rows per oneDNN call: a row gets the same bits in any call of 2 to 32 rows
+MKL_ROWS = 16  # rows per MKL product: its smallest full kernel
 COLUMN_BLOCK = 64  # a decode's output columns are cut between threads in multiples of this,
 MIN_COLUMNS = 256  # and no narrower (MKL's narrow products sum in another order: measured)
 GRAIN = 32768  # torch's elementwise kernels split work between threads from this many elements
 MAX_SCORES = 1 << 22  # score elements per attention call (tiles are independent: any split)
 
 
-def tile_rows(dtype: torch.dtype) -> int:
-    """fp32: 16, MKL's smallest full kernel; bf16 and fp16: 32 (oneDNN gives a row the same
-    bits in any call of 1 to 32 rows, measured and tested: their tiles are not padded)."""
-    return 16 if dtype == torch.float32 else 32
+def uses_onednn(x: torch.Tensor) -> bool:
+    """Whole weights go to oneDNN on CPU (fp32, and bf16 where it has bf16 kernels)."""
+    return x.device.type == "cpu" and (x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and _onednn_bf16()))
+
+
+@functools.lru_cache(maxsize=None)
+def _onednn_bf16() -> bool:
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + b, each row computed by the same [tile_rows, K] x [K, N] product."""
+    """x W^T + b for a whole weight (column-parallel, LM head, router, an expert): on CPU
+    oneDNN in calls of up to ONEDNN_ROWS rows, with the engine's packed weight or a
+    trainer's dense one alike; elsewhere `mkl_linear`'s fixed tiles."""
     lead, (n, k) = x.shape[:-1], weight.shape
     rows = x.reshape(-1, k)
-    m, t = rows.shape[0], tile_rows(x.dtype)
-    if x.dtype != torch.float32:  # CPU bmm has no fast half-precision path (nor a thread-invariant one)
-        y = torch.cat([_half_tile(tile, weight) for tile in rows.split(t)]) if m > t else _half_tile(rows, weight)
+    if uses_onednn(rows):
+        tiles = rows.split(ONEDNN_ROWS) if rows.shape[0] > ONEDNN_ROWS else [rows]
+        y = torch.cat([_onednn(tile, weight) for tile in tiles]) if len(tiles) > 1 else _onednn(rows, weight)
     else:
-        y = _batched_tiles(rows, weight, m, t)
+        y = mkl_linear(rows, weight)
     if bias is not None:
         y = y + bias
     return y.view(*lead, n)
 
 
-def _half_tile(tile: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Up to 32 rows through oneDNN: the engine's packed bf16 weight (packed_weights.py) gives
-    the same bits as a trainer's dense one."""
-    if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(tile, weight, None, "none", [], "")
-    return tile @ weight.t()
+def _onednn(tile: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    m = tile.shape[0]
+    if m == 1:  # one row meets a matrix-vector kernel: other bits (measured)
+        tile = F.pad(tile, (0, 0, 0, 1))
+    if weight.is_mkldnn or not (torch.is_grad_enabled() and (tile.requires_grad or weight.requires_grad)):
+        y = torch.ops.mkldnn._linear_pointwise(tile, weight, None, "none", [], "")
+    else:
+        y = _OneDNNLinear.apply(tile, weight)
+    return y[:m]
+
+
+class _OneDNNLinear(torch.autograd.Function):
+    """oneDNN's forward (the bits the engine computes), plain matmuls for the gradients."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        return grad @ weight, grad.t() @ x
+
+
+def mkl_linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """rows [m, K] W^T in fixed tiles: fp32 through MKL's batched GEMM (`_batched_tiles`), other
+    dtypes a product a tile (CPU bmm has no fast half-precision path, nor a thread-invariant one)."""
+    m = rows.shape[0]
+    if rows.dtype == torch.float32:
+        return _batched_tiles(rows, weight, m, MKL_ROWS)
+    return torch.cat([tile @ weight.t() for tile in F.pad(rows, (0, 0, 0, -m % 32)).split(32)])[:m]
 
 
 def _batched_tiles(rows: torch.Tensor, weight: torch.Tensor, m: int, t: int) -> torch.Tensor:
@@ -111,17 +149,21 @@ def chunks_per_rank(tp_size: int) -> int:
 
 
 def partial_tree(x: torch.Tensor, weight: torch.Tensor, tp_size: int) -> torch.Tensor:
-    """This rank's subtree: its REDUCE_CHUNKS / tp_size slices of K, each a `linear`, summed.
-    A decode's fp32 slices go to one bmm, a slice a product (the same sequential product
-    `linear` runs for a tile), when there are enough of them for the threads."""
+    """This rank's subtree: its REDUCE_CHUNKS / tp_size slices of K, each a product, summed.
+    fp32 slices go to `mkl_linear` (sliced weights have no packed form), a decode's in one
+    bmm, a slice a product (the same sequential product `mkl_linear` runs for a tile), when
+    there are enough of them for the threads; bf16 slices to `linear`."""
     n = chunks_per_rank(tp_size)
-    rows, t = x.reshape(-1, x.shape[-1]), tile_rows(x.dtype)
-    if x.dtype == torch.float32 and rows.shape[0] <= t and n >= max(2, torch.get_num_threads()):
+    rows, t = x.reshape(-1, x.shape[-1]), MKL_ROWS
+    if x.dtype != torch.float32:
+        return tree_sum([linear(xc, wc) for xc, wc in zip(x.chunk(n, dim=-1), weight.chunk(n, dim=-1))])
+    if rows.shape[0] <= t and n >= max(2, torch.get_num_threads()):
         m, (out, k) = rows.shape[0], weight.shape
         tiles = F.pad(rows, (0, 0, 0, t - m)).view(t, n, k // n).transpose(0, 1)  # [n, t, K / n]
         parts = torch.bmm(tiles, weight.unflatten(1, (n, -1)).permute(1, 2, 0))[:, :m]  # [n, m, N]
         return tree_sum(list(parts.unbind(0))).view(*x.shape[:-1], out)
-    return tree_sum([linear(xc, wc) for xc, wc in zip(x.chunk(n, dim=-1), weight.chunk(n, dim=-1))])
+    parts = [mkl_linear(xc, wc) for xc, wc in zip(rows.chunk(n, dim=-1), weight.chunk(n, dim=-1))]
+    return tree_sum(parts).view(*x.shape[:-1], weight.shape[0])
 
 
 def gather_tree(partial: torch.Tensor, group) -> torch.Tensor:

@@ -25,22 +25,28 @@ def threads():
     torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("dtype,width,depth", [
-    (torch.float32, 512, 1024), (torch.float32, 768, 1024), (torch.float32, 256, 1024), (torch.float32, 300, 1024),
-    (torch.bfloat16, 256, 1024), (torch.bfloat16, 1536, 512)])  # oneDNN: 48+ rows sum otherwise at 512 x 1536
-def test_linear_rows_ignore_neighbours_and_threads(dtype, width, depth, threads):
-    """Width 512 cuts a decode's columns between 2 threads, 768 between 2 and 3; 256 (too narrow) and 300 never."""
+FP32_SHAPES = [(torch.float32, 512, 1024), (torch.float32, 768, 1024), (torch.float32, 256, 1024),
+               (torch.float32, 300, 1024)]
+BF16_SHAPES = [(torch.bfloat16, 256, 1024), (torch.bfloat16, 1536, 512)]  # oneDNN: 48+ rows sum otherwise at 512 x 1536
+
+
+@pytest.mark.parametrize("kernel,dtype,width,depth", [("linear", *c) for c in FP32_SHAPES + BF16_SHAPES]
+                         + [("mkl_linear", *c) for c in FP32_SHAPES])  # mkl_linear: fp32's row-parallel slices
+def test_linear_rows_ignore_neighbours_and_threads(kernel, dtype, width, depth, threads):
+    """mkl_linear: width 512 cuts a decode's columns between 2 threads, 768 between 2 and 3;
+    256 (too narrow) and 300 never."""
+    fn = getattr(bi, kernel)
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(width, depth, generator=gen).to(dtype)
     x = torch.randn(80, depth, generator=gen).to(dtype)
     torch.set_num_threads(1)
-    want = torch.cat([bi.linear(x[i:i + 1], weight) for i in range(len(x))])
+    want = torch.cat([fn(x[i:i + 1], weight) for i in range(len(x))])
     rng = random.Random(0)
     for n in threads:
         torch.set_num_threads(n)
         for count in (1, 2, 7, 16, 17, 33, 80):
             start = rng.randrange(len(x) - count + 1)
-            assert torch.equal(bi.linear(x[start:start + count], weight), want[start:start + count]), (n, count)
+            assert torch.equal(fn(x[start:start + count], weight), want[start:start + count]), (n, count)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -59,19 +65,31 @@ def test_row_parallel_subtree_rows_ignore_neighbours_and_threads(dtype, threads)
         assert torch.equal(halves[0] + halves[1], want[:3])  # TP=2's two subtrees, summed by the tree
 
 
-@pytest.mark.skipif(not packing_applies(torch.bfloat16, torch.device("cpu"), batch_invariant=True),
-                    reason="this CPU or torch has no oneDNN bf16 kernels: bf16 weights are never packed here")
-def test_packed_bf16_tiles_equal_dense_ones(threads):
-    """What lets the engine pack bf16 weights in this mode while a trainer's stay dense."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hint", [8, 256])
+def test_packed_tiles_equal_dense_ones_with_gradients(dtype, hint, threads):
+    """What lets the engine pack weights in this mode while a trainer's stay dense (and learn)."""
+    if not packing_applies(dtype, torch.device("cpu"), batch_invariant=True):
+        pytest.skip(f"this CPU or torch has no oneDNN {dtype} kernels: such weights are never packed here")
     gen = torch.Generator().manual_seed(3)
     for depth, width in ((512, 768), (1536, 512), (512, 32000)):
-        weight = torch.randn(width, depth, generator=gen).to(torch.bfloat16)
-        x = torch.randn(70, depth, generator=gen).to(torch.bfloat16)
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 8)
+        weight = torch.randn(width, depth, generator=gen).to(dtype)
+        x = torch.randn(70, depth, generator=gen).to(dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, hint)
         for n in threads:
             torch.set_num_threads(n)
-            for count in (1, 8, 32, 70):
+            for count in (1, 2, 8, 32, 70):
                 assert torch.equal(bi.linear(x[:count], packed), bi.linear(x[:count], weight)), (depth, n, count)
+    trained = weight[:64, :48].clone().requires_grad_(True)
+    rows = x[:40, :48].clone().requires_grad_(True)
+    y = bi.linear(rows, trained)
+    assert torch.equal(y, bi.linear(rows.detach(), trained.detach()))
+    y.square().sum().backward()
+    g = (2 * y.detach()).float()  # d(sum y^2)/dy: the gradients of y = x W^T (tile by tile: close, not equal)
+    for got, want in ((trained.grad, g.t() @ rows.detach().float()), (rows.grad, g @ trained.detach().float())):
+        scale = want.abs().max().item()
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), want, rtol=0, atol=tol * scale)
 
 
 @pytest.mark.parametrize("fn", [torch.exp, torch.nn.functional.silu, torch.sigmoid])
