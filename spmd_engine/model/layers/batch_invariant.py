@@ -90,6 +90,8 @@ def _onednn(tile: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     m = tile.shape[0]
     if m == 1:  # one row meets a matrix-vector kernel: other bits (measured)
         tile = F.pad(tile, (0, 0, 0, 1))
+    if not weight.is_mkldnn and not weight.is_contiguous():
+        weight = weight.contiguous()  # oneDNN reorders a strided dense weight very slowly
     if weight.is_mkldnn or not (torch.is_grad_enabled() and (tile.requires_grad or weight.requires_grad)):
         y = torch.ops.mkldnn._linear_pointwise(tile, weight, None, "none", [], "")
     else:
@@ -152,11 +154,11 @@ def partial_tree(x: torch.Tensor, weight: torch.Tensor, tp_size: int) -> torch.T
     """This rank's subtree: its REDUCE_CHUNKS / tp_size slices of K, each a product, summed.
     fp32 slices go to `mkl_linear` (sliced weights have no packed form), a decode's in one
     bmm, a slice a product (the same sequential product `mkl_linear` runs for a tile), when
-    there are enough of them for the threads; bf16 slices to `linear`."""
+    there are enough of them for the threads; bf16 slices to `_half_slice`."""
     n = chunks_per_rank(tp_size)
     rows, t = x.reshape(-1, x.shape[-1]), MKL_ROWS
-    if x.dtype != torch.float32:
-        return tree_sum([linear(xc, wc) for xc, wc in zip(x.chunk(n, dim=-1), weight.chunk(n, dim=-1))])
+    if x.dtype != torch.float32:  # oneDNN through matmul: it takes the strided slice as it is
+        return tree_sum([_half_slice(xc, wc) for xc, wc in zip(x.chunk(n, dim=-1), weight.chunk(n, dim=-1))])
     if rows.shape[0] <= t and n >= max(2, torch.get_num_threads()):
         m, (out, k) = rows.shape[0], weight.shape
         tiles = F.pad(rows, (0, 0, 0, t - m)).view(t, n, k // n).transpose(0, 1)  # [n, t, K / n]
@@ -164,6 +166,14 @@ def partial_tree(x: torch.Tensor, weight: torch.Tensor, tp_size: int) -> torch.T
         return tree_sum(list(parts.unbind(0))).view(*x.shape[:-1], out)
     parts = [mkl_linear(xc, wc) for xc, wc in zip(rows.chunk(n, dim=-1), weight.chunk(n, dim=-1))]
     return tree_sum(parts).view(*x.shape[:-1], weight.shape[0])
+
+
+def _half_slice(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x W^T for a bf16 K slice: calls of up to ONEDNN_ROWS rows, unpadded (the same bits)."""
+    rows = x.reshape(-1, x.shape[-1])
+    y = torch.cat([tile @ weight.t() for tile in rows.split(ONEDNN_ROWS)]) if rows.shape[0] > ONEDNN_ROWS \
+        else rows @ weight.t()
+    return y.view(*x.shape[:-1], weight.shape[0])
 
 
 def gather_tree(partial: torch.Tensor, group) -> torch.Tensor:
