@@ -110,3 +110,33 @@ def test_mp_tp2_compiled_equals_eager(tiny):
         assert greedy(llm, BATCHES[1:3]) == want
         stats = runner_stats(llm)
         assert stats["compiled_graphs"] == 1 and stats["compile_seconds"] > 0, stats
+
+
+@pytest.mark.timeout(180)
+def test_mp_pp2_compiled_equals_eager(tiny):
+    """The later stage compiles from a dummy intermediate (no embedding on it)."""
+    with LLM(model=str(tiny), enforce_eager=True) as llm:
+        want = greedy(llm, BATCHES[2:])
+    with LLM(model=str(tiny), pipeline_parallel_size=2, distributed_executor_backend="mp", timeout_s=120,
+             **COMPILED) as llm:
+        assert greedy(llm, BATCHES[2:]) == want
+        stats = runner_stats(llm)  # the last stage's runner
+        assert stats["compiled_graphs"] == 1 and stats["compile_seconds"] > 0, stats
+
+
+@pytest.mark.timeout(180)
+def test_weights_swapped_under_the_graph_are_read(tiny, tmp_path):
+    """Sleep level 2 and load_weights (new packed Parameters, as an RL trainer's sync): the graph
+    reads the new weights (its guards skip the layer modules) and does not recompile."""
+    from safetensors.torch import load_file
+    other = make_tiny_checkpoint(tmp_path / "other", seed=9)
+    with LLM(model=str(other), enforce_eager=True) as llm:
+        want = greedy(llm, BATCHES[1:3])
+    with LLM(model=str(tiny), enable_sleep_mode=True, **COMPILED) as llm:
+        assert greedy(llm, BATCHES[1:3]) != want
+        llm.sleep(level=2)
+        model = llm.llm_engine.model_executor.driver_worker.model_runner.model
+        model.load_weights(load_file(str(other / "model.safetensors")).items())
+        llm.wake_up()
+        assert greedy(llm, BATCHES[1:3]) == want
+        assert runner_stats(llm)["compiled_graphs"] == 1
