@@ -45,6 +45,9 @@ Figures
              present): per-row temperature 0.8 / top-k 50 / top-p 0.9 with per-request seeds
              vs all-greedy rows (argmax) in the same run (ratio = value / baseline, target <= 2);
              also temperature 1 alone (the full-vocabulary path); at 1 thread and the default
+  compile    compiled forward (default) vs enforce_eager, same run: decode B=8, B=32 and a prefill
+             batch, fp32 and bf16; first start's compile seconds (empty inductor cache); warm-cache
+             start-up (fresh process, import + LLM()) vs eager start-up
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ import bench_rpc_transport  # noqa: E402
 from make_random_checkpoint import make_random_checkpoint  # noqa: E402
 
 FIGURES = ("rpc", "allreduce", "decode", "capacity", "prefix", "chunked", "tp", "tp4", "pp", "mixed", "startup", "load",
-           "moe", "wave", "sampling", "batch_invariant")
+           "moe", "wave", "sampling", "batch_invariant", "compile")
 LLAMA_SHAPE = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2, intermediate_size=1536,
                    vocab_size=32000, max_position_embeddings=8192)
 QWEN3_MOE_SHAPE = dict(architecture="Qwen3MoeForCausalLM", hidden_size=512, num_layers=8, num_heads=8,
@@ -701,6 +704,86 @@ def fig_batch_invariant(args) -> None:
                  threads=torch.get_num_threads(), loadavg_1m=loadavg())
 
 
+# ---------------------------------------------------------------- compile
+_COMPILE_CHILD = r"""
+import json, sys, time
+t = time.perf_counter()
+from spmd_engine import LLM
+llm = LLM(model=sys.argv[1], dtype=sys.argv[2], max_model_len=128, max_num_seqs=32,
+          distributed_executor_backend="uni", enforce_eager=sys.argv[3] == "eager")
+up = time.perf_counter() - t
+print(json.dumps({"startup_s": up, "compile_s": llm.get_stats()[0]["runner"]["compile_seconds"]}))
+llm.shutdown()
+"""
+
+
+def compile_startup(model_dir: str, dtype: str, mode: str, cache_dir: str) -> dict:
+    """One fresh process: import spmd_engine, build a uni LLM (compiling unless eager)."""
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", _COMPILE_CHILD, model_dir, dtype, mode], env=env,
+                         capture_output=True, text=True, timeout=900, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def fig_compile(args) -> None:
+    """The compiled forward against eager, same run: tokens/s of decode B=8 and B=32 and of a
+    prefill-bound batch (8 prompts x 256 tokens, 4 new), fp32 and bf16, two engines (mp, one
+    worker each) timed call by call in turns; then start-up (a fresh process: import + LLM()) eager, compiled with
+    an empty inductor cache (its compile seconds beside) and compiled again on that warm cache."""
+    import shutil
+
+    import torch
+
+    from spmd_engine import LLM
+    model_dir = random_llama(args)
+    new = 16 if args.quick else 64
+    work = [("decode_b8", prompts_for(8, 32, LLAMA_SHAPE["vocab_size"]), new),
+            ("decode_b32", prompts_for(32, 32, LLAMA_SHAPE["vocab_size"]), new),
+            ("prefill_8x256", prompts_for(8, 256, LLAMA_SHAPE["vocab_size"]), 4)]
+    for dtype in ("float32", "bfloat16"):
+        # Both engines alive at once (mp with one worker each: a process holds one uni engine),
+        # timed call by call in turns, so the shared machine's bursts hit both.
+        llms = {mode: LLM(model=model_dir, dtype=dtype, max_model_len=512, max_num_seqs=32,
+                          distributed_executor_backend="mp", enforce_eager=mode == "eager")
+                for mode in ("eager", "compiled")}
+        rates = {}
+        try:
+            for llm in llms.values():
+                time_engine(llm, work[0][1][:2], 4)  # warm-up
+            for _ in range(args.reps):
+                for name, prompts, n in work:
+                    for mode, llm in llms.items():
+                        rates.setdefault((name, mode), []).append(time_engine(llm, prompts, n))
+        finally:
+            for llm in llms.values():
+                llm.shutdown()
+        for name, prompts, n in work:
+            v, b = statistics.median(rates[name, "compiled"]), statistics.median(rates[name, "eager"])
+            emit(f"compile_{name}_tokens_per_s_{dtype}", v, b, v / b, "tokens/s",
+                 ratio_is="compiled (default) / enforce_eager, same run; target >= 1.0 (never slower)",
+                 requests=len(prompts), new_tokens=n, reps=args.reps, threads=torch.get_num_threads(),
+                 min_tokens=16, compiled_steps="steps of >= 16 tokens (B=8 decode steps run eager in both)",
+                 loadavg_1m=loadavg())
+    cache = tempfile.mkdtemp(prefix="spmd_bench_inductor_")
+    try:
+        eager, cold, warm = [], [], []
+        for i in range(1 if args.quick else 3):
+            eager.append(compile_startup(model_dir, "float32", "eager", cache)["startup_s"])
+            if i == 0:
+                cold.append(compile_startup(model_dir, "float32", "compiled", cache))
+            warm.append(compile_startup(model_dir, "float32", "compiled", cache))
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    e = statistics.median(eager)
+    emit("compile_first_start_compile_s", cold[0]["compile_s"], cold[0]["startup_s"], cold[0]["compile_s"] / cold[0]["startup_s"], "s",
+         ratio_is="compile seconds (empty inductor cache) / that whole start-up, for information",
+         startup_eager_s=round(e, 3))
+    w = statistics.median(x["startup_s"] for x in warm)
+    emit("compile_warm_startup_s", w, e, w / e, "s",
+         ratio_is="start-up (import + LLM()) compiled on a warm inductor cache / eager; target <= 1.3",
+         warm_compile_s=round(statistics.median(x["compile_s"] for x in warm), 3), loadavg_1m=loadavg())
+
+
 # ---------------------------------------------------------------- startup
 def torchrun(nproc: int, argv: list[str], env: dict | None = None, timeout: float = 600):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), *argv]
@@ -922,7 +1005,8 @@ def main() -> None:
     table = {"rpc": fig_rpc, "allreduce": fig_allreduce, "decode": fig_decode, "capacity": fig_capacity,
              "prefix": fig_prefix, "chunked": fig_chunked, "tp": fig_tp,
              "tp4": lambda a: fig_tp(a, 4), "pp": fig_pp, "mixed": fig_mixed, "startup": fig_startup, "load": fig_load,
-             "moe": fig_moe, "wave": fig_wave, "sampling": fig_sampling, "batch_invariant": fig_batch_invariant}
+             "moe": fig_moe, "wave": fig_wave, "sampling": fig_sampling, "batch_invariant": fig_batch_invariant,
+             "compile": fig_compile}
     for name in FIGURES:
         if name in chosen:
             table[name](args)

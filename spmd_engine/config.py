@@ -283,6 +283,82 @@ class CacheConfig:
             _check_positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
 
 
+# vLLM's CompilationConfig keys that mean nothing here (CUDA graphs, its own passes): accepted,
+# named in one warning. Any other key is an error (a typo is never swallowed).
+VLLM_COMPILATION_KEYS_IGNORED = frozenset("""
+    cudagraph_mode use_cudagraph full_cuda_graph cudagraph_capture_sizes cudagraph_num_of_warmups
+    cudagraph_copy_inputs cudagraph_specialize_lora max_capture_size max_cudagraph_capture_size
+    splitting_ops use_inductor compile_sizes compile_ranges_split_points inductor_compile_config
+    inductor_passes custom_ops pass_config debug_dump_path use_inductor_graph_partition
+    compile_cache_save_format local_cache_dir dynamic_shapes_config
+""".split())
+COMPILATION_BACKENDS = ("inductor", "aot_eager", "eager")
+
+
+@dataclass
+class CompilationConfig:
+    """vLLM's `compilation_config`, the part that means something here (model/compilation.py).
+
+    `level` (vLLM's name; its newer `mode` is the same number): 0 runs the model eager; 1, 2
+    and 3 (vLLM's stock torch.compile, dynamo-once and its own backend) all mean the decoder
+    layers through torch.compile, one graph per model. None: 3, unless enforce_eager. Resolved
+    by EngineArgs (batch-invariant mode and MoE models run eager). `min_tokens` (ours): steps
+    with fewer tokens run eager, where the compiled graph's fixed cost exceeds its gain.
+    `cache_dir` (vLLM's name): inductor's on-disk cache, TORCHINDUCTOR_CACHE_DIR when unset.
+    """
+
+    level: int | None = None
+    backend: str = "inductor"  # torch.compile's backend; "aot_eager" / "eager" to debug a graph
+    min_tokens: int = 16
+    cache_dir: str | None = None
+    ignored: tuple = ()  # vLLM keys given that have no effect here
+
+    def __post_init__(self) -> None:
+        if self.level is not None and (isinstance(self.level, bool) or self.level not in (0, 1, 2, 3)):
+            raise ConfigError(f"compilation_config level/mode must be 0, 1, 2 or 3, got {self.level!r}")
+        if self.backend not in COMPILATION_BACKENDS:
+            raise ConfigError(f"compilation_config backend {self.backend!r} is not one of "
+                              f"{', '.join(COMPILATION_BACKENDS)}")
+        _check_positive("compilation_config min_tokens", self.min_tokens)
+
+    @property
+    def compiled(self) -> bool:
+        return bool(self.level)
+
+    @classmethod
+    def parse(cls, value: Any) -> "CompilationConfig":
+        """vLLM's forms: None, a level (int, or its text "3"), a dict, JSON text of one, or a
+        CompilationConfig. A dict may say `level` or `mode`."""
+        import json
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            text = value.strip()
+            try:
+                value = int(text) if text.lstrip("-").isdigit() else json.loads(text)
+            except ValueError:
+                raise ConfigError(f"compilation_config {text!r} is neither a level nor JSON") from None
+        if isinstance(value, int) and not isinstance(value, bool):
+            return cls(level=value)
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"compilation_config must be a level (0-3), a dict or JSON, got {value!r}")
+        values = dict(value)
+        if "mode" in values and "level" in values and values["mode"] != values["level"]:
+            raise ConfigError(f"compilation_config gives level={values['level']!r} and mode={values['mode']!r}")
+        if "mode" in values:
+            values["level"] = values.pop("mode")
+        ours = {"level", "backend", "min_tokens", "cache_dir"}
+        unknown = sorted(k for k in values if k not in ours and k not in VLLM_COMPILATION_KEYS_IGNORED)
+        if unknown:
+            raise ConfigError(f"compilation_config: unknown key(s) {', '.join(map(repr, unknown))} "
+                              f"(known here: {', '.join(sorted(ours | {'mode'}))}, and vLLM's CUDA-graph "
+                              f"and pass keys, which are ignored)")
+        ignored = tuple(sorted(k for k in values if k in VLLM_COMPILATION_KEYS_IGNORED))
+        return cls(**{k: v for k, v in values.items() if k in ours}, ignored=ignored)
+
+
 @dataclass
 class EngineConfig:
     """Everything one engine (one DP replica) needs; pickled to its workers under mp."""
@@ -295,3 +371,5 @@ class EngineConfig:
     device: str = "cpu"  # "cuda" when GPUs are present
     timeout_s: float = 300.0
     dp_waves: bool = False  # replicas step in lockstep (MoE under DP): engine/dp_waves.py
+    # Resolved by EngineArgs: level 0 (eager) here, so a config built by hand runs eager.
+    compilation_config: CompilationConfig = field(default_factory=lambda: CompilationConfig(level=0))

@@ -23,6 +23,7 @@ DISABLE_SHM_ALLREDUCE = "SPMD_ENGINE_DISABLE_SHM_ALLREDUCE"
 DISABLE_SHM_HANDOFF = "SPMD_ENGINE_DISABLE_SHM_HANDOFF"
 CPU_BF16 = "SPMD_ENGINE_CPU_BF16"
 CPU_FP16 = "SPMD_ENGINE_CPU_FP16"
+ENFORCE_EAGER = "SPMD_ENGINE_ENFORCE_EAGER"
 
 BATCH_INVARIANT = "VLLM_BATCH_INVARIANT"  # vLLM's name, so its users' habit carries over
 
@@ -64,6 +65,15 @@ def worker_multiproc_method(environ: Mapping[str, str] = os.environ) -> str:
 def cpu_packed_weights(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether CPU linear weights may be packed for oneDNN ("0" turns it off)."""
     return environ.get(CPU_PACKED_WEIGHTS, "1") != "0"
+
+
+def enforce_eager(environ: Mapping[str, str] = os.environ) -> bool:
+    """The default of enforce_eager when an engine leaves it unset: "1" runs eager (the test
+    suite sets it: compiling in each of its hundreds of engines would cost minutes)."""
+    raw = environ.get(ENFORCE_EAGER, "0")
+    if raw not in ("0", "1"):
+        raise ConfigError(f"{ENFORCE_EAGER}={raw!r}: expected '0' or '1'")
+    return raw == "1"
 
 
 def cpu_bf16(environ: Mapping[str, str] = os.environ) -> bool | None:

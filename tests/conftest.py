@@ -18,6 +18,12 @@ sys.path[:0] = [str(_TESTS / "helpers"), str(_TESTS.parent / "scripts")]
 # OpenMP team spinning for cores it cannot have slowed in-process tests many times over.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# Engines run eager unless a test asks for the compiled forward (enforce_eager=False, or
+# compilation_config): compiling in each of the suite's hundreds of engines would cost minutes.
+# tests/integration/engine/test_compiled_forward.py runs it compiled; SPMD_ENGINE_ENFORCE_EAGER=0
+# runs the whole suite compiled.
+os.environ.setdefault("SPMD_ENGINE_ENFORCE_EAGER", "1")
+
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                  "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_JOB_ID")
 

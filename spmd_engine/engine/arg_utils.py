@@ -18,6 +18,7 @@ from spmd_engine import envs
 from spmd_engine.config import (
     DEFAULT_MAX_NUM_SEQS,
     CacheConfig,
+    CompilationConfig,
     ConfigError,
     EngineConfig,
     ModelConfig,
@@ -61,6 +62,8 @@ class EngineArgs:
     logprobs_mode: str = "raw_logprobs"
     enable_return_routed_experts: bool = False
     batch_invariant: bool | None = None  # None: VLLM_BATCH_INVARIANT decides
+    enforce_eager: bool | None = None  # None: SPMD_ENGINE_ENFORCE_EAGER decides (default: compiled)
+    compilation_config: object = None  # vLLM's forms: a level, a dict, JSON text (CompilationConfig.parse)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
@@ -124,6 +127,8 @@ class EngineArgs:
         )
         from spmd_engine.model.loader import choose_dtype
         logger.info("%s", choose_dtype(model_config.dtype, inputs.hf_config, config.device)[1])
+        config.compilation_config = resolve_compilation(self.enforce_eager, self.compilation_config,
+                                                        model_config, spec, config.device)
         if check_kv_budget:
             check_kv_budget_up_front(config, inputs.hf_config, spec)
         return EngineSetup(config, inputs, spec)
@@ -137,6 +142,40 @@ class EngineSetup:
     config: EngineConfig
     inputs: "InputProcessor"  # noqa: F821 (imported lazily: it reads tokenizers)
     spec: "ModelSpec"  # noqa: F821
+
+
+def resolve_compilation(enforce_eager: bool | None, compilation_config, model_config: ModelConfig, spec,
+                        device: str) -> CompilationConfig:
+    """The level the workers use: enforce_eager (or SPMD_ENGINE_ENFORCE_EAGER=1) means 0;
+    otherwise the level asked for, by default 3 on CPU (measured there; on CUDA by request
+    only: not measured, and no CUDA graphs). Batch-invariant mode and MoE models run eager,
+    said in one log line."""
+    from dataclasses import replace
+    compilation = CompilationConfig.parse(compilation_config)
+    if compilation.ignored:
+        logger.warning("compilation_config: vLLM key(s) with no effect here, ignored: %s",
+                       ", ".join(compilation.ignored))
+    eager = envs.enforce_eager() if enforce_eager is None else bool(enforce_eager)
+    asked = compilation.level
+    if eager:
+        level = 0
+    elif asked is None:
+        level = 3 if device == "cpu" else 0
+        if level == 0:
+            logger.info("compiled forward: off by default on %s (not measured there); "
+                        "compilation_config=3 turns it on", device)
+    else:
+        level = asked
+    if level and model_config.batch_invariant:
+        (logger.warning if asked else logger.info)(
+            "compiled forward: batch-invariant mode runs eager (its kernels fix every reduction "
+            "order; a compiled graph would choose its own)")
+        level = 0
+    if level and spec.moe is not None:
+        (logger.warning if asked else logger.info)(
+            "compiled forward: %s has MoE layers, which run eager (data-dependent routing)", spec.architecture)
+        level = 0
+    return replace(compilation, level=level)
 
 
 def engine_seed(seed: int | None) -> int:

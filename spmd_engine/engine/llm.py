@@ -40,7 +40,8 @@ class LLM:
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  load_format: str = "auto", enable_sleep_mode: bool = False,
                  logprobs_mode: str = "raw_logprobs", enable_return_routed_experts: bool = False,
-                 admission: str = "identical", batch_invariant: bool | None = None, **vllm_kwargs):
+                 admission: str = "identical", batch_invariant: bool | None = None,
+                 enforce_eager: bool | None = None, compilation_config=None, **vllm_kwargs):
         """vLLM's arguments and meanings. `seed` is the engine seed (None: 0, as in vLLM):
         requests without their own seed draw from a stream it starts, fresh on every generate
         call; under external_launcher it must be the same on every rank of a replica
@@ -51,7 +52,10 @@ class LLM:
         `admission` (external_launcher): "identical", every rank of a replica adds the same
         requests (checked each step), or "rank0", only its first rank does (engine/admission.py).
         `batch_invariant=True` (or VLLM_BATCH_INVARIANT=1): bitwise reproducible outputs
-        whatever the batch, cache and layout (README, batch-invariant mode)."""
+        whatever the batch, cache and layout (README, batch-invariant mode).
+        `enforce_eager` / `compilation_config` (vLLM's): by default the decoder layers run
+        through torch.compile on CPU; enforce_eager=True, or compilation_config=0, keeps eager
+        (docs/running.md, compiled forward)."""
         accept_vllm_kwargs(vllm_kwargs)
         from spmd_engine.engine.admission import check_mode
         self._admission = check_mode(admission)
@@ -66,7 +70,8 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
             enable_chunked_prefill=enable_chunked_prefill, load_format=load_format,
             logprobs_mode="raw_logprobs" if logprobs_mode is None else logprobs_mode,
-            enable_return_routed_experts=enable_return_routed_experts, batch_invariant=batch_invariant)
+            enable_return_routed_experts=enable_return_routed_experts, batch_invariant=batch_invariant,
+            enforce_eager=enforce_eager, compilation_config=compilation_config)
         self._start(engine_args.create_engine_config(), enable_sleep_mode)
 
     @classmethod

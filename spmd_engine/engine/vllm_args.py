@@ -1,7 +1,7 @@
 """vLLM keyword arguments that `LLM(...)` accepts without acting on them.
 
 Trainers build their engine with vLLM's full set of options (TRL passes a dozen:
-enforce_eager, disable_log_stats, model_impl, ...). Those that
+disable_log_stats, model_impl, ...). Those that
 have no meaning here (CUDA graphs, quantization, LoRA, Ray, tokenizer pools, ...)
 are accepted with one warning that lists them, so trainer code runs unchanged
 and its author still learns what was ignored. A name that vLLM does not know
@@ -22,7 +22,7 @@ IGNORED_VLLM_ARGS = frozenset("""
     allowed_local_media_path allowed_media_domains download_dir config_format kv_cache_dtype
     max_parallel_loading_workers disable_sliding_window use_v2_block_manager swap_space cpu_offload_gb
     max_logprobs disable_log_stats revision code_revision rope_scaling rope_theta hf_token
-    hf_overrides tokenizer_revision quantization enforce_eager max_seq_len_to_capture
+    hf_overrides tokenizer_revision quantization max_seq_len_to_capture
     disable_custom_all_reduce tokenizer_pool_size tokenizer_pool_type tokenizer_pool_extra_config
     limit_mm_per_prompt mm_processor_kwargs mm_processor_cache_gb disable_mm_preprocessor_cache
     mm_encoder_tp_mode enable_lora enable_lora_bias max_loras max_lora_rank fully_sharded_loras
@@ -33,7 +33,7 @@ IGNORED_VLLM_ARGS = frozenset("""
     logits_processor_pattern logits_processors speculative_config speculative_model
     num_speculative_tokens otlp_traces_endpoint collect_detailed_traces disable_async_output_proc
     scheduling_policy scheduler_cls override_neuron_config override_pooler_config pooler_config
-    compilation_config worker_cls worker_extension_cls kv_transfer_config kv_events_config
+    worker_cls worker_extension_cls kv_transfer_config kv_events_config
     generation_config override_generation_config model_impl calculate_kv_scales
     disable_cascade_attn cuda_graph_sizes long_prefill_token_threshold max_num_partial_prefills
     max_long_partial_prefills async_scheduling structured_outputs_config reasoning_parser
@@ -47,7 +47,7 @@ IGNORED_VLLM_ARGS = frozenset("""
 
 
 # vLLM's own defaults of ignored arguments: passing one changes nothing, so it is not warned about.
-VLLM_DEFAULTS = {"model_impl": "auto", "enforce_eager": False, "trust_remote_code": False, "swap_space": 4, "tokenizer_mode": "auto",
+VLLM_DEFAULTS = {"model_impl": "auto", "trust_remote_code": False, "swap_space": 4, "tokenizer_mode": "auto",
                  "kv_cache_dtype": "auto", "max_logprobs": 20,
                  "disable_custom_all_reduce": False, "cpu_offload_gb": 0}
 

@@ -70,6 +70,11 @@ def add_job_args(p: UsageParser) -> None:
     p.add_argument("--batch-invariant", action="store_true", default=None,
                    help="bitwise reproducible outputs whatever the batch, cache and layout "
                         "(README, batch-invariant mode); also VLLM_BATCH_INVARIANT=1")
+    p.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="run the model eager, no torch.compile (also SPMD_ENGINE_ENFORCE_EAGER=1)")
+    p.add_argument("--compilation-config", "-O", default=None, metavar="LEVEL|JSON",
+                   help="vLLM's compilation config: a level (0 eager, 1-3 compiled) or JSON, e.g. "
+                        "'{\"level\": 3, \"min_tokens\": 16}' (docs/running.md)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
     p.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default="raw_logprobs",

@@ -12,6 +12,8 @@ rows that sample.
 from __future__ import annotations
 
 import logging
+import os
+import time
 
 import torch
 
@@ -44,6 +46,7 @@ class ModelRunner:
         self.stats = {"steps": 0, "tokens": 0, "prefill_tokens": 0, "sampled": 0, "dummy_steps": 0}
         self.routing = None  # RoutingBuffer on the last stage with enable_return_routed_experts
         self._pending_routing: dict | None = None
+        self.compile_seconds: float | None = None  # start-up compile time of the compiled forward
 
     # -- start-up ---------------------------------------------------------------
     def load_model(self) -> None:
@@ -59,6 +62,11 @@ class ModelRunner:
             logger.debug("%d linear weights packed for oneDNN", packed)
         if mc.enable_return_routed_experts:
             self.model.record_routing()
+        cc = self.config.compilation_config
+        if cc.compiled:
+            if cc.cache_dir:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = cc.cache_dir
+            self.model.compile_layers(backend=cc.backend, min_tokens=cc.min_tokens)
 
     def load_weights(self, weights) -> set[str]:
         """In-place update from (HF name, full tensor) pairs: `CausalLM.update_weights`."""
@@ -90,6 +98,8 @@ class ModelRunner:
         self.model.check_max_model_len(self.config.scheduler_config.max_model_len)
         self.model.allocate_kv_cache(num_blocks, self.block_size, zeros=_zeros)
         self.num_blocks = num_blocks
+        if self.model.compiled_layers is not None and self.compile_seconds is None:
+            self._compile()
         if self.config.model_config.enable_return_routed_experts and self.pp_group.is_last_rank:
             from spmd_engine.worker.routing_replay import RoutingBuffer
             spec = self.model.spec
@@ -215,6 +225,29 @@ class ModelRunner:
             self.pp_group.send_tensor_dict(hidden)
         self.stats["dummy_steps"] += 1
 
+    @torch.inference_mode()
+    def _compile(self) -> None:
+        """Compile at start-up, once per process: one forward of `min_tokens` dummy tokens (a
+        fresh prompt writing nothing to the cache) traces the layer graph that every later step
+        of at least that many tokens reuses; the time goes to the log and get_stats."""
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        from spmd_engine.model.layers.attention import AttentionMetadata
+        n = self.model.compiled_layers.min_tokens
+        t = time.perf_counter()
+        attn = AttentionMetadata.build([0], [n], [[0] * -(-n // self.block_size)], self.block_size, self.device)
+        attn.slot_mapping = None
+        first = self.pp_group.is_first_rank
+        ids = torch.zeros(n, dtype=torch.long, device=self.device) if first else None
+        intermediate = None if first else {
+            key: torch.zeros(n, self.model.spec.hidden_size, dtype=self.model.dtype, device=self.device)
+            for key in ("hidden_states", "residual")}
+        self.model.forward(ids, attn.positions, attn, intermediate)
+        self.compile_seconds = time.perf_counter() - t
+        logger.info("compiled forward: %d decoder layers through torch.compile (%s) in %.2f s, steps of "
+                    ">= %d tokens (inductor cache %s)", len(self.model.model.layers),
+                    self.config.compilation_config.backend, self.compile_seconds, n, cache_dir())
+
     def _prepare_inputs(self, out: SchedulerOutput):
         from spmd_engine.model.layers.attention import AttentionMetadata
         context, lens, tables = [], [], []
@@ -260,7 +293,10 @@ class ModelRunner:
 
     def get_stats(self) -> dict:
         """Tokens this rank computed: all of them, those of prompts (prefix hits excluded), steps."""
-        return dict(self.stats, num_blocks=self.num_blocks, block_size=self.block_size)
+        compiled = self.model.compiled_layers if self.model is not None else None
+        return dict(self.stats, num_blocks=self.num_blocks, block_size=self.block_size,
+                    compile_seconds=self.compile_seconds,
+                    compiled_graphs=compiled.graphs() if compiled is not None else 0)
 
 
 def _zeros(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

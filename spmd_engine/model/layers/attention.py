@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from spmd_engine.model import compilation
 from spmd_engine.model.layers import batch_invariant as bi
 
 PAD_LIMIT = 1.25  # a group's padded queries may exceed its real ones by at most this factor
@@ -207,6 +208,9 @@ class Attention(nn.Module):
 
     def set_kv_cache(self, k_cache: torch.Tensor | None, v_cache: torch.Tensor | None) -> None:
         """[num_blocks, block_size, num_kv_heads, head_dim] each, or None to drop the cache."""
+        for cache in (k_cache, v_cache):  # a compiled layer's graph serves any number of blocks
+            if cache is not None and cache.shape[0] > 1:
+                torch._dynamo.maybe_mark_dynamic(cache, 0)
         self.k_cache, self.v_cache = k_cache, v_cache
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttentionMetadata | None):
@@ -217,20 +221,9 @@ class Attention(nn.Module):
             return self._causal(q, k, v).reshape(B, T, self.num_heads * self.head_dim)
         if self.k_cache is None:
             raise RuntimeError("KV cache not allocated: the model runner allocates it before the first step")
-        D = self.head_dim
-        if attn.slot_mapping is not None:  # None: a dummy step (DP waves) writes nothing
-            self.k_cache.view(-1, self.num_kv_heads, D).index_copy_(0, attn.slot_mapping, k)
-            self.v_cache.view(-1, self.num_kv_heads, D).index_copy_(0, attn.slot_mapping, v)
-        if attn.tiles is not None:
-            return self._attend_tiles(q, attn.tiles).reshape(attn.num_tokens, self.num_heads * D)
-        outs = [self._attend(q[g.start:g.end], k[g.start:g.end], v[g.start:g.end], g) for g in attn.groups]
-        out = outs[0] if len(outs) == 1 else torch.cat(outs)
-        return out.reshape(attn.num_tokens, self.num_heads * D)
-
-    def _attend_tiles(self, q: torch.Tensor, tiles: InvariantTiles) -> torch.Tensor:
-        D, kv = self.head_dim, self.num_kv_heads
-        return bi.attend(q, self.k_cache.view(-1, kv, D), self.v_cache.view(-1, kv, D),
-                         tiles.plan(self.num_heads // kv), self.scale)
+        if attn is compilation.COMPILED:  # traced: the metadata comes through forward_context
+            return torch.ops.spmd_engine.attention(q, k, v, self.k_cache, self.v_cache, self.scale)
+        return paged_attention(q, k, v, self.k_cache, self.v_cache, attn, self.scale)
 
     def _causal(self, q, k, v) -> torch.Tensor:
         group = self.num_heads // self.num_kv_heads
@@ -240,34 +233,52 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         return out.transpose(1, 2)
 
-    def _attend(self, q, k, v, g: RowGroup) -> torch.Tensor:
-        """The group's outputs [n, heads, D] for its packed q [n, heads, D] (k, v: its new tokens)."""
-        G, T, D, kv = g.num_rows, g.width, self.head_dim, self.num_kv_heads
-        qg = self._padded(q, g)  # [G, heads, T, D]
-        if g.block_tables is None:  # fresh prompts: causal over their own new tokens
-            out = F.scaled_dot_product_attention(qg, self._padded(k, g), self._padded(v, g),
-                                                 is_causal=True, scale=self.scale, enable_gqa=True)
-        else:
-            L = g.mask.shape[-1]
-            # index_select of whole blocks copies rows with memcpy; advanced indexing with the
-            # 2-D table gathers element by element (the profile's largest non-matmul cost).
-            blocks = g.block_tables.reshape(-1)
-            keys = self.k_cache.index_select(0, blocks).view(G, L, kv, D).transpose(1, 2)  # [G, kv, L, D]
-            values = self.v_cache.index_select(0, blocks).view(G, L, kv, D).transpose(1, 2)
-            # The query heads sharing a KV head folded into the query axis, [G, kv, group * T, D]:
-            # grouped-query attention without copying K/V per head (enable_gqa expands them).
-            group = self.num_heads // kv
-            out = F.scaled_dot_product_attention(qg.reshape(G, kv, group * T, D), keys, values,
-                                                 attn_mask=g.folded_mask(group), scale=self.scale)
-            out = out.view(G, self.num_heads, T, D)
-        out = out.transpose(1, 2).reshape(G * T, self.num_heads, D)
-        return out if g.pad_index is None else out[g.pad_index]
 
-    @staticmethod
-    def _padded(x: torch.Tensor, g: RowGroup) -> torch.Tensor:
-        """The group's packed x [n, heads, D] -> [G, heads, T, D], zeros where a row is shorter."""
-        if g.pad_index is None:
-            return x.view(g.num_rows, g.width, *x.shape[1:]).transpose(1, 2)
-        padded = x.new_zeros(g.num_rows * g.width, *x.shape[1:])
-        padded[g.pad_index] = x
-        return padded.view(g.num_rows, g.width, *x.shape[1:]).transpose(1, 2)
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, attn: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Write the step's K/V to their slots, then attend: q [N, heads, D], k and v [N, kv_heads, D]
+    packed tokens; returns [N, heads * D]. Heads and sizes are read from the shapes."""
+    heads, kv, D = q.shape[1], k.shape[1], q.shape[2]
+    if attn.slot_mapping is not None:  # None: a dummy step (DP waves) writes nothing
+        k_cache.view(-1, kv, D).index_copy_(0, attn.slot_mapping, k)
+        v_cache.view(-1, kv, D).index_copy_(0, attn.slot_mapping, v)
+    if attn.tiles is not None:
+        out = bi.attend(q, k_cache.view(-1, kv, D), v_cache.view(-1, kv, D), attn.tiles.plan(heads // kv), scale)
+        return out.reshape(attn.num_tokens, heads * D)
+    outs = [_attend(q[g.start:g.end], k[g.start:g.end], v[g.start:g.end], g, k_cache, v_cache, scale)
+            for g in attn.groups]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out.reshape(attn.num_tokens, heads * D)
+
+
+def _attend(q, k, v, g: RowGroup, k_cache, v_cache, scale) -> torch.Tensor:
+    """The group's outputs [n, heads, D] for its packed q [n, heads, D] (k, v: its new tokens)."""
+    G, T, heads, D, kv = g.num_rows, g.width, q.shape[1], q.shape[2], k.shape[1]
+    qg = _padded(q, g)  # [G, heads, T, D]
+    if g.block_tables is None:  # fresh prompts: causal over their own new tokens
+        out = F.scaled_dot_product_attention(qg, _padded(k, g), _padded(v, g),
+                                             is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        L = g.mask.shape[-1]
+        # index_select of whole blocks copies rows with memcpy; advanced indexing with the
+        # 2-D table gathers element by element (the profile's largest non-matmul cost).
+        blocks = g.block_tables.reshape(-1)
+        keys = k_cache.index_select(0, blocks).view(G, L, kv, D).transpose(1, 2)  # [G, kv, L, D]
+        values = v_cache.index_select(0, blocks).view(G, L, kv, D).transpose(1, 2)
+        # The query heads sharing a KV head folded into the query axis, [G, kv, group * T, D]:
+        # grouped-query attention without copying K/V per head (enable_gqa expands them).
+        group = heads // kv
+        out = F.scaled_dot_product_attention(qg.reshape(G, kv, group * T, D), keys, values,
+                                             attn_mask=g.folded_mask(group), scale=scale)
+        out = out.view(G, heads, T, D)
+    out = out.transpose(1, 2).reshape(G * T, heads, D)
+    return out if g.pad_index is None else out[g.pad_index]
+
+
+def _padded(x: torch.Tensor, g: RowGroup) -> torch.Tensor:
+    """The group's packed x [n, heads, D] -> [G, heads, T, D], zeros where a row is shorter."""
+    if g.pad_index is None:
+        return x.view(g.num_rows, g.width, *x.shape[1:]).transpose(1, 2)
+    padded = x.new_zeros(g.num_rows * g.width, *x.shape[1:])
+    padded[g.pad_index] = x
+    return padded.view(g.num_rows, g.width, *x.shape[1:]).transpose(1, 2)

@@ -158,6 +158,7 @@ class RowParallelLinear(nn.Module):
     packable_weight = True
     packable_invariant = False  # batch-invariant mode slices the weight into its chunks
     batch_invariant = False  # a fixed chunked reduction tree instead of the all-reduce
+    compile_group = -1  # compilation.register_group's number for `group`, set when layers are compiled
 
     def __init__(self, input_size: int, output_size: int, group, bias: bool = False,
                  dtype: torch.dtype | None = None):
@@ -177,6 +178,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.batch_invariant:
             y = bi.row_parallel_linear(x, self.weight, self.group)
+        elif self.tp_size > 1 and torch.compiler.is_compiling():  # the collective stays out of the graph
+            y = torch.ops.spmd_engine.all_reduce(linear(x, self.weight), self.compile_group)
         else:
             y = self.group.all_reduce(linear(x, self.weight))
         return y + self.bias if self.bias is not None else y

@@ -32,6 +32,10 @@ ENV_FLAG = envs.CPU_PACKED_WEIGHTS
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T + b, whether W is a plain tensor or a packed one."""
+    if torch.compiler.is_compiling():
+        # Traced, a packed weight looks like a plain one (is_mkldnn is False on fake tensors) and
+        # inductor cannot read its storage: an opaque op that decides when it runs.
+        return torch.ops.spmd_engine.linear(x, weight, bias)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from spmd_engine.config import ConfigError
+from spmd_engine.model import compilation
 from spmd_engine.model.layers.attention import Attention, AttentionMetadata
 from spmd_engine.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from spmd_engine.model.layers.linear import QKVParallelLinear, RowParallelLinear
@@ -213,8 +214,12 @@ class CausalLM(CausalLMWeights, nn.Module):
                 raise ValueError("a later pipeline stage needs `intermediate` from the previous stage")
             hidden, residual = intermediate["hidden_states"], intermediate["residual"]
         rope = self.model.rotary_emb.cos_sin(positions, hidden.dtype)
-        for layer in self.model.layers.values():
-            hidden, residual = layer(rope, hidden, residual, attn)
+        compiled = self.compiled_layers
+        if compiled is not None and attn is not None and compiled.applies(attn.num_tokens):
+            hidden, residual = compiled.run(self.model.layers.values(), rope, hidden, residual, attn)
+        else:
+            for layer in self.model.layers.values():
+                hidden, residual = layer(rope, hidden, residual, attn)
         out = {} if not self.routing_recorded else {"routed_experts": self._routed_experts(intermediate, hidden)}
         if not self.is_last_stage:
             return {"hidden_states": hidden, "residual": residual, **out}
@@ -226,6 +231,14 @@ class CausalLM(CausalLMWeights, nn.Module):
         if self.lm_head is None:
             raise RuntimeError("compute_logits runs on the last pipeline stage only")
         return self.lm_head.compute_logits(hidden)
+
+    # ---- compiled forward (compilation.py) ----
+    compiled_layers: "compilation.CompiledLayers | None" = None
+
+    def compile_layers(self, **options) -> None:
+        """From now on packed steps of at least `min_tokens` tokens run the decoder layers
+        through torch.compile (compilation.CompiledLayers' options)."""
+        self.compiled_layers = compilation.CompiledLayers(self, **options)
 
     # ---- routing replay ----
     routing_recorded = False

@@ -1,0 +1,173 @@
+"""The compiled forward (vLLM's `enforce_eager=False`): decoder layers through torch.compile.
+
+What is compiled is one decoder layer's forward ("regional" compilation): every layer of a
+model runs the same code on its own weights, so dynamo traces it once and inductor's C++
+backend fuses the work between the matmuls (RMSNorm with its residual add, rotary, the
+SwiGLU product, splits and casts) into a few loops; all layers then share that one graph
+(the first layer gets a zero residual: x + 0 == x). The embedding,
+rotary cos/sin, the final norm, the LM head and sampling stay eager.
+
+Three things inside a layer are opaque to the compiler, each a custom op with a shape-only
+("fake") implementation, so the graph has no break in it:
+  - `spmd_engine::attention`: the paged KV-cache write and the attention read, given the
+    step's AttentionMetadata through `forward_context` (Python lists and dataclasses, never
+    traced: a step's metadata is not a guard, so a new batch does not recompile);
+  - `spmd_engine::linear`: the matmul, packed weight (oneDNN) or not: inductor cannot read a
+    packed tensor, and traced, a packed weight looks like a plain one;
+  - `spmd_engine::all_reduce`: the TP sum over our shared-memory path (distributed/), never
+    traced: the group is looked up by a number fixed at set-up.
+A step's token count N varies: the layer's inputs are marked dynamic along it, so one graph
+serves every N >= 2. Steps of fewer than `min_tokens` tokens run eager: on the CPUs measured
+the graph's fixed cost (guards, wrapper, the opaque ops' dispatch) eats the fusion's gain at
+decode batches of 1-8 (docs/performance.md has the figures), while prefills and larger
+batches gain.
+
+Each model gets its own copy of the compiled function's code object, so dynamo's cache is
+per model: two models in one process (tests, an RL trainer beside its engine) never share a
+graph, and within a model guards on the layer modules are skipped (every compiled layer is
+built alike; weights are inputs, only their values change). Compile once per process; the
+inductor cache (TORCHINDUCTOR_CACHE_DIR, or compilation_config's cache_dir) makes the next
+process's compile a lookup.
+
+Not compiled, by design: batch-invariant mode (its kernels fix every reduction order and
+inductor would choose its own: eager keeps it bitwise exact), MoE layers (data-dependent
+routing), routing replay. CUDA graphs are not written: no GPU here to prove them on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import types
+import weakref
+
+import torch
+
+logger = logging.getLogger("spmd_engine")
+
+# Steps with fewer tokens than this run eager by default (measured, docs/performance.md).
+DEFAULT_MIN_TOKENS = 16
+
+_forward_attn = None  # this step's AttentionMetadata while a compiled forward runs
+
+
+class _Compiled:
+    """What a compiled layer gets instead of AttentionMetadata: read it from forward_context."""
+
+    def __repr__(self) -> str:
+        return "COMPILED"
+
+
+COMPILED = _Compiled()
+
+
+@contextlib.contextmanager
+def forward_context(attn):
+    """Make `attn` the metadata the attention op reads, for one forward."""
+    global _forward_attn
+    previous, _forward_attn = _forward_attn, attn
+    try:
+        yield
+    finally:
+        _forward_attn = previous
+
+
+_lib = torch.library.Library("spmd_engine", "DEF")  # the ops live as long as the process
+_lib.define("attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, float scale) -> Tensor")
+_lib.define("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+_lib.define("all_reduce(Tensor x, int group) -> Tensor")
+
+
+def _attention(q, k, v, k_cache, v_cache, scale):
+    from spmd_engine.model.layers.attention import paged_attention
+    if _forward_attn is None:
+        raise RuntimeError("spmd_engine::attention ran outside compilation.forward_context")
+    # The cache is written in place: it is no tensor the graph reads again, so the schema says
+    # nothing of it (vLLM's attention op hides its cache behind a layer name alike).
+    return paged_attention(q, k, v, k_cache, v_cache, _forward_attn, scale).contiguous()
+
+
+def _linear(x, weight, bias):
+    from spmd_engine.model.layers.packed_weights import linear
+    return linear(x, weight, bias)
+
+
+_groups: dict[int, weakref.ref] = {}
+
+
+def register_group(group) -> int:
+    """A number for `group` that a compiled graph can carry as a constant."""
+    for key, ref in _groups.items():
+        if ref() is group:
+            return key
+    key = len(_groups)
+    _groups[key] = weakref.ref(group)
+    return key
+
+
+def _all_reduce(x, group):
+    # A new tensor: the op is functional to the compiler, and the group sums in place.
+    return _groups[group]().all_reduce(x.clone())
+
+
+for _name, _fn in (("attention", _attention), ("linear", _linear), ("all_reduce", _all_reduce)):
+    _lib.impl(_name, _fn, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("spmd_engine::attention")
+def _attention_fake(q, k, v, k_cache, v_cache, scale):
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+
+@torch.library.register_fake("spmd_engine::linear")
+def _linear_fake(x, weight, bias):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.register_fake("spmd_engine::all_reduce")
+def _all_reduce_fake(x, group):
+    return torch.empty_like(x)
+
+
+def _layer_step(layer, cos, sin, hidden, residual):
+    return layer((cos, sin), hidden, residual, COMPILED)
+
+
+def _skip_module_guards(entries):
+    return torch.compiler.skip_guard_on_all_nn_modules_unsafe(entries)
+
+
+class CompiledLayers:
+    """One model's compiled layer step: `run(layers, rope, hidden, residual, attn)`."""
+
+    def __init__(self, model, backend: str = "inductor", mode: str | None = None,
+                 min_tokens: int = DEFAULT_MIN_TOKENS):
+        from spmd_engine.model.layers.linear import RowParallelLinear
+        for module in model.modules():
+            if isinstance(module, RowParallelLinear) and module.tp_size > 1:
+                module.compile_group = register_group(module.group)
+        self.code = _layer_step.__code__.replace()  # this model's own dynamo cache
+        step = types.FunctionType(self.code, _layer_step.__globals__, "_layer_step")
+        options = {"guard_filter_fn": _skip_module_guards}
+        kwargs = {"mode": mode} if mode and backend == "inductor" else {}
+        self.fn = torch.compile(step, backend=backend, fullgraph=True, dynamic=None, options=options, **kwargs)
+        self.min_tokens = max(2, int(min_tokens))
+
+    def graphs(self) -> int:
+        """How many graphs dynamo holds for this model (1 when nothing recompiled)."""
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+        return len(_debug_get_cache_entry_list(self.code))
+
+    def applies(self, num_tokens: int) -> bool:
+        return num_tokens >= self.min_tokens
+
+    def run(self, layers, rope, hidden, residual, attn):
+        if residual is None:  # the first stage's first layer: one graph for all (x + 0 == x)
+            residual, hidden = hidden, torch.zeros_like(hidden)
+        cos, sin = rope
+        for t in (cos, sin, hidden, residual):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        with forward_context(attn):
+            for layer in layers:
+                hidden, residual = self.fn(layer, cos, sin, hidden, residual)
+        return hidden, residual

@@ -1,0 +1,142 @@
+"""The compiled forward (issue 23; vLLM's enforce_eager=False): decoder layers through torch.compile.
+
+The suite runs eager (tests/conftest.py sets SPMD_ENGINE_ENFORCE_EAGER=1); these tests ask for
+the compiled forward explicitly, on a tiny model, with `min_tokens=2` so decode steps of a
+few requests go through the graph too (the default, 16, leaves small decodes eager). One
+inductor cache for the module, removed afterwards: the first engine compiles, the others
+find its kernels. References: the same engine eager, token for token; dynamo's own cache
+entries for the recompile bound.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+
+import pytest
+
+from spmd_engine import LLM, SamplingParams
+from tests.helpers.engine_helpers import make_tiny_checkpoint
+
+COMPILED = dict(enforce_eager=False, compilation_config={"level": 3, "min_tokens": 2})
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("compiled") / "tiny")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def inductor_cache():
+    """Inherited by mp workers (spawned with this environment)."""
+    path = tempfile.mkdtemp(prefix="spmd_test_inductor_")
+    previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    yield path
+    if previous is None:
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    else:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    return [[(7 * i + 13 * j + seed) % 297 + 3 for j in range(5 + 9 * i % 23)] for i in range(n)]
+
+
+def greedy(llm: LLM, batches) -> list[list[int]]:
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    return [o.outputs[0].token_ids for batch in batches for o in llm.generate(batch, sp, use_tqdm=False)]
+
+
+def runner_stats(llm: LLM) -> dict:
+    return llm.get_stats()[0]["runner"]
+
+
+# Batches of 1, 3, 8 and 5 requests: prefill steps of many sizes, decode steps of 1-8 tokens.
+BATCHES = [prompts(1), prompts(3, 1), prompts(8, 2), prompts(5, 3)]
+
+
+@pytest.mark.timeout(180)
+def test_compiled_greedy_equals_eager_one_graph_and_the_log_line(tiny, caplog):
+    with LLM(model=str(tiny), enforce_eager=True) as llm:
+        want = greedy(llm, BATCHES)
+        assert runner_stats(llm)["compile_seconds"] is None
+        assert runner_stats(llm)["compiled_graphs"] == 0
+    with caplog.at_level(logging.INFO, logger="spmd_engine"):
+        llm = LLM(model=str(tiny), **COMPILED)
+    with llm:
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compiled forward:")]
+        assert len(lines) == 1 and " in " in lines[0] and "steps of >= 2 tokens" in lines[0], lines
+        assert greedy(llm, BATCHES) == want
+        stats = runner_stats(llm)
+        assert stats["compile_seconds"] > 0
+        # Token counts 1..~130 over the run: one graph (dynamic N), no recompile (N=1 runs eager).
+        assert stats["compiled_graphs"] == 1, stats
+
+
+@pytest.mark.timeout(120)
+def test_enforce_eager_and_level_0_do_not_compile(tiny):
+    from torch._dynamo.utils import counters
+    before = dict(counters["stats"])
+    for kwargs in (dict(enforce_eager=True, compilation_config=3), dict(enforce_eager=False, compilation_config=0)):
+        with LLM(model=str(tiny), **kwargs) as llm:
+            assert llm.config.compilation_config.level == 0
+            greedy(llm, BATCHES[:1])
+            assert runner_stats(llm)["compiled_graphs"] == 0
+    assert dict(counters["stats"]) == before  # dynamo never ran
+
+
+@pytest.mark.timeout(120)
+def test_batch_invariant_runs_eager_and_says_so(tiny, caplog):
+    with caplog.at_level(logging.INFO, logger="spmd_engine"):
+        llm = LLM(model=str(tiny), batch_invariant=True, **COMPILED)
+    with llm:
+        assert llm.config.compilation_config.level == 0
+        assert any("batch-invariant mode runs eager" in r.getMessage() for r in caplog.records)
+        greedy(llm, BATCHES[:1])
+        assert runner_stats(llm)["compiled_graphs"] == 0
+
+
+@pytest.mark.timeout(180)
+def test_mp_tp2_compiled_equals_eager(tiny):
+    """Real worker processes, the all-reduce (shared memory) between them outside the graph."""
+    tp2 = dict(model=str(tiny), tensor_parallel_size=2, distributed_executor_backend="mp", timeout_s=120)
+    with LLM(**tp2, enforce_eager=True) as llm:
+        want = greedy(llm, BATCHES[1:3])
+    with LLM(**tp2, **COMPILED) as llm:
+        assert greedy(llm, BATCHES[1:3]) == want
+        stats = runner_stats(llm)
+        assert stats["compiled_graphs"] == 1 and stats["compile_seconds"] > 0, stats
+
+
+@pytest.mark.timeout(180)
+def test_mp_pp2_compiled_equals_eager(tiny):
+    """The later stage compiles from a dummy intermediate (no embedding on it)."""
+    with LLM(model=str(tiny), enforce_eager=True) as llm:
+        want = greedy(llm, BATCHES[2:])
+    with LLM(model=str(tiny), pipeline_parallel_size=2, distributed_executor_backend="mp", timeout_s=120,
+             **COMPILED) as llm:
+        assert greedy(llm, BATCHES[2:]) == want
+        stats = runner_stats(llm)  # the last stage's runner
+        assert stats["compiled_graphs"] == 1 and stats["compile_seconds"] > 0, stats
+
+
+@pytest.mark.timeout(180)
+def test_weights_swapped_under_the_graph_are_read(tiny, tmp_path):
+    """Sleep level 2 and load_weights (new packed Parameters, as an RL trainer's sync): the graph
+    reads the new weights (its guards skip the layer modules) and does not recompile."""
+    from safetensors.torch import load_file
+    other = make_tiny_checkpoint(tmp_path / "other", seed=9)
+    with LLM(model=str(other), enforce_eager=True) as llm:
+        want = greedy(llm, BATCHES[1:3])
+    with LLM(model=str(tiny), enable_sleep_mode=True, **COMPILED) as llm:
+        assert greedy(llm, BATCHES[1:3]) != want
+        llm.sleep(level=2)
+        model = llm.llm_engine.model_executor.driver_worker.model_runner.model
+        model.load_weights(load_file(str(other / "model.safetensors")).items())
+        llm.wake_up()
+        assert greedy(llm, BATCHES[1:3]) == want
+        assert runner_stats(llm)["compiled_graphs"] == 1

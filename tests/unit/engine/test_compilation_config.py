@@ -1,0 +1,71 @@
+"""compilation_config and enforce_eager (vLLM's forms) through the one config path (issue 23)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from spmd_engine import envs
+from spmd_engine.config import CompilationConfig, ConfigError, ModelConfig
+from spmd_engine.engine.arg_utils import EngineArgs, resolve_compilation
+from spmd_engine.model.spec import ModelSpec
+from spmd_engine.run.main import build_parser
+
+DENSE = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100}
+MOE = {**DENSE, "architectures": ["MixtralForCausalLM"], "num_local_experts": 4, "num_experts_per_tok": 2}
+
+
+@pytest.mark.parametrize("value, level", [(None, None), (0, 0), (3, 3), ("2", 2), ({"level": 1}, 1),
+                                          ({"mode": 3}, 3), ('{"mode": 0}', 0), ({"level": 3, "mode": 3}, 3)])
+def test_vllm_forms_parse(value, level):
+    assert CompilationConfig.parse(value).level == level
+
+
+def test_ours_and_vllms_ignored_keys():
+    cc = CompilationConfig.parse({"level": 3, "min_tokens": 4, "cudagraph_capture_sizes": [1, 2],
+                                  "backend": "aot_eager", "cache_dir": "/tmp/x"})
+    assert (cc.min_tokens, cc.backend, cc.cache_dir, cc.ignored) == (4, "aot_eager", "/tmp/x",
+                                                                     ("cudagraph_capture_sizes",))
+
+
+@pytest.mark.parametrize("value, match", [(5, "0, 1, 2 or 3"), (True, "a level"), ("x3", "neither"),
+                                          ({"levle": 3}, "unknown key"), ({"level": 1, "mode": 3}, "gives"),
+                                          ({"backend": "tvm"}, "backend"), ({"min_tokens": 0}, "min_tokens"),
+                                          ([3], "a level")])
+def test_bad_values_are_config_errors(value, match):
+    with pytest.raises(ConfigError, match=match):
+        CompilationConfig.parse(value)
+
+
+def resolve(enforce_eager=None, cc=None, hf=DENSE, device="cpu", batch_invariant=False):
+    return resolve_compilation(enforce_eager, cc, ModelConfig(batch_invariant=batch_invariant),
+                               ModelSpec.from_hf_config(hf), device).level
+
+
+def test_resolution_rules(monkeypatch, caplog):
+    monkeypatch.setenv(envs.ENFORCE_EAGER, "0")
+    assert resolve() == 3  # the default on CPU: compiled
+    assert resolve(cc=1) == 1
+    assert resolve(enforce_eager=True, cc=3) == 0  # enforce_eager wins
+    assert resolve(device="cuda") == 0 and resolve(device="cuda", cc=3) == 3  # CUDA: on request only
+    with caplog.at_level(logging.INFO, logger="spmd_engine"):
+        assert resolve(batch_invariant=True) == 0
+        assert resolve(hf=MOE) == 0
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "batch-invariant mode runs eager" in said and "MoE layers" in said
+    monkeypatch.setenv(envs.ENFORCE_EAGER, "1")  # the suite's switch: the default becomes eager
+    assert resolve() == 0 and resolve(enforce_eager=False) == 3
+    monkeypatch.setenv(envs.ENFORCE_EAGER, "yes")
+    with pytest.raises(ConfigError, match=envs.ENFORCE_EAGER):
+        resolve()
+
+
+def test_cli_flags_reach_the_engine_args():
+    parser = build_parser()
+    args = parser.parse_args(["--prompt", "x", "--enforce-eager", "-O", '{"level": 3, "min_tokens": 8}'])
+    ea = EngineArgs.from_cli_args(args)
+    assert ea.enforce_eager is True and CompilationConfig.parse(ea.compilation_config).min_tokens == 8
+    ea = EngineArgs.from_cli_args(parser.parse_args(["--prompt", "x", "--compilation-config", "0"]))
+    assert ea.enforce_eager is None and CompilationConfig.parse(ea.compilation_config).level == 0
