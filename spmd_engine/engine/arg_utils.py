@@ -126,9 +126,10 @@ class EngineArgs:
             dp_waves=needs_dp_waves(parallel, inputs.hf_config),
         )
         from spmd_engine.model.loader import choose_dtype
-        logger.info("%s", choose_dtype(model_config.dtype, inputs.hf_config, config.device)[1])
+        dtype, line = choose_dtype(model_config.dtype, inputs.hf_config, config.device)
+        logger.info("%s", line)
         config.compilation_config = resolve_compilation(self.enforce_eager, self.compilation_config,
-                                                        model_config, spec, config.device)
+                                                        model_config, spec, config.device, dtype)
         if check_kv_budget:
             check_kv_budget_up_front(config, inputs.hf_config, spec)
         return EngineSetup(config, inputs, spec)
@@ -145,11 +146,12 @@ class EngineSetup:
 
 
 def resolve_compilation(enforce_eager: bool | None, compilation_config, model_config: ModelConfig, spec,
-                        device: str) -> CompilationConfig:
+                        device: str, dtype=None) -> CompilationConfig:
     """The level the workers use: enforce_eager (or SPMD_ENGINE_ENFORCE_EAGER=1) means 0;
-    otherwise the level asked for, by default 3 on CPU (measured there; on CUDA by request
-    only: not measured, and no CUDA graphs). Batch-invariant mode and MoE models run eager,
-    said in one log line."""
+    otherwise the level asked for, by default 3 on CPU in bf16/fp16, where the fused
+    elementwise work pays (1.05-1.22x forward, docs/performance.md); fp32 on CPU measured no
+    gain (0.97-1.03x) for a slower start, and CUDA is not measured (no CUDA graphs): those
+    compile by request only. Batch-invariant mode and MoE models run eager, said in one log line."""
     from dataclasses import replace
     compilation = CompilationConfig.parse(compilation_config)
     if compilation.ignored:
@@ -160,10 +162,13 @@ def resolve_compilation(enforce_eager: bool | None, compilation_config, model_co
     if eager:
         level = 0
     elif asked is None:
-        level = 3 if device == "cpu" else 0
+        import torch
+        half = dtype in (torch.bfloat16, torch.float16)
+        level = 3 if device == "cpu" and half else 0
         if level == 0:
-            logger.info("compiled forward: off by default on %s (not measured there); "
-                        "compilation_config=3 turns it on", device)
+            why = "not measured there" if device != "cpu" else "float32 measured no faster compiled"
+            logger.info("compiled forward: off by default on %s (%s); compilation_config=3 turns it on",
+                        device, why)
     else:
         level = asked
     if level and model_config.batch_invariant:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 
 from spmd_engine import envs
 from spmd_engine.config import CompilationConfig, ConfigError, ModelConfig
@@ -39,14 +40,16 @@ def test_bad_values_are_config_errors(value, match):
         CompilationConfig.parse(value)
 
 
-def resolve(enforce_eager=None, cc=None, hf=DENSE, device="cpu", batch_invariant=False):
+def resolve(enforce_eager=None, cc=None, hf=DENSE, device="cpu", batch_invariant=False, dtype=torch.bfloat16):
     return resolve_compilation(enforce_eager, cc, ModelConfig(batch_invariant=batch_invariant),
-                               ModelSpec.from_hf_config(hf), device).level
+                               ModelSpec.from_hf_config(hf), device, dtype).level
 
 
 def test_resolution_rules(monkeypatch, caplog):
     monkeypatch.setenv(envs.ENFORCE_EAGER, "0")
-    assert resolve() == 3  # the default on CPU: compiled
+    assert resolve() == 3  # the default on CPU in bf16: compiled
+    assert resolve(dtype=torch.float16) == 3
+    assert resolve(dtype=torch.float32) == 0 and resolve(dtype=torch.float32, cc=3) == 3  # fp32: on request
     assert resolve(cc=1) == 1
     assert resolve(enforce_eager=True, cc=3) == 0  # enforce_eager wins
     assert resolve(device="cuda") == 0 and resolve(device="cuda", cc=3) == 3  # CUDA: on request only
