@@ -9,7 +9,7 @@ order than one rank's matmul. Each is right to 1e-6, and each makes a request's 
 depend on its batch (or on the process's thread count). These do not, by construction:
 
 - `linear` (a whole weight): on CPU oneDNN in calls of up to ONEDNN_ROWS rows; oneDNN gives
-  a row the same bits in any call of 2 to 32 rows, at any thread count, with a packed
+  a row the same bits in any call of 2 to 256 rows in fp32 (32 in bf16), at any thread count, with a packed
   weight or a dense one (measured and tested; one row meets a matrix-vector kernel, so a
   lone row is padded to two). `mkl_linear` (the row-parallel slices, sliced weights have no
   packed form): rows in tiles of MKL_ROWS through one batched fp32 GEMM of at least as
@@ -52,7 +52,8 @@ KEY_BLOCK = 32
 MIN_ROWS = 16  # rows of every attention product: fewer meet MKL's small-M kernels
 LONG_TILE = 32  # queries per attention tile of a prompt (or chunk) longer than a short tile
 SUM_CHUNK = 64
-ONEDNN_ROWS = 32  # rows per oneDNN call: a row gets the same bits in any call of 2 to 32 rows
+ONEDNN_ROWS = {torch.float32: 256, torch.bfloat16: 32}  # rows per oneDNN call: a row gets the same
+# bits in any call of 2 to this many rows (bf16: 48 and more sum otherwise; measured and tested)
 MKL_ROWS = 16  # rows per MKL product: its smallest full kernel
 COLUMN_BLOCK = 64  # a decode's output columns are cut between threads in multiples of this,
 MIN_COLUMNS = 256  # and no narrower (MKL's narrow products sum in another order: measured)
@@ -77,7 +78,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     lead, (n, k) = x.shape[:-1], weight.shape
     rows = x.reshape(-1, k)
     if uses_onednn(rows):
-        tiles = rows.split(ONEDNN_ROWS) if rows.shape[0] > ONEDNN_ROWS else [rows]
+        most = ONEDNN_ROWS[rows.dtype]
+        tiles = rows.split(most) if rows.shape[0] > most else [rows]
         y = torch.cat([_onednn(tile, weight) for tile in tiles]) if len(tiles) > 1 else _onednn(rows, weight)
     else:
         y = mkl_linear(rows, weight)
@@ -171,8 +173,8 @@ def partial_tree(x: torch.Tensor, weight: torch.Tensor, tp_size: int) -> torch.T
 def _half_slice(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x W^T for a bf16 K slice: calls of up to ONEDNN_ROWS rows, unpadded (the same bits)."""
     rows = x.reshape(-1, x.shape[-1])
-    y = torch.cat([tile @ weight.t() for tile in rows.split(ONEDNN_ROWS)]) if rows.shape[0] > ONEDNN_ROWS \
-        else rows @ weight.t()
+    most = ONEDNN_ROWS[torch.bfloat16]
+    y = torch.cat([tile @ weight.t() for tile in rows.split(most)]) if rows.shape[0] > most else rows @ weight.t()
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -320,8 +322,9 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: Tile
         step = max(2, MAX_SCORES // (b.index.shape[1] * q.shape[1] * b.keys.shape[1]))
         for i in range(0, b.index.shape[0], step):
             rows = b.keys[i:i + step]
-            outs.append(attention(qx[b.index[i:i + step]], keys[rows], values[rows], b.q_pos[i:i + step],
-                                  scale).flatten(0, 1))
+            flat = rows.reshape(-1)
+            k, v = (torch.index_select(x, 0, flat).view(*rows.shape, *x.shape[1:]) for x in (keys, values))
+            outs.append(attention(qx[b.index[i:i + step]], k, v, b.q_pos[i:i + step], scale).flatten(0, 1))
     return (outs[0] if len(outs) == 1 else torch.cat(outs))[plan.unpack]
 
 

@@ -38,13 +38,13 @@ def test_linear_rows_ignore_neighbours_and_threads(kernel, dtype, width, depth, 
     fn = getattr(bi, kernel)
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(width, depth, generator=gen).to(dtype)
-    x = torch.randn(80, depth, generator=gen).to(dtype)
+    x = torch.randn(300, depth, generator=gen).to(dtype)
     torch.set_num_threads(1)
     want = torch.cat([fn(x[i:i + 1], weight) for i in range(len(x))])
     rng = random.Random(0)
     for n in threads:
         torch.set_num_threads(n)
-        for count in (1, 2, 7, 16, 17, 33, 80):
+        for count in (1, 2, 7, 16, 17, 33, 80, 300):
             start = rng.randrange(len(x) - count + 1)
             assert torch.equal(fn(x[start:start + count], weight), want[start:start + count]), (n, count)
 
@@ -74,11 +74,11 @@ def test_packed_tiles_equal_dense_ones_with_gradients(dtype, hint, threads):
     gen = torch.Generator().manual_seed(3)
     for depth, width in ((512, 768), (1536, 512), (512, 32000)):
         weight = torch.randn(width, depth, generator=gen).to(dtype)
-        x = torch.randn(70, depth, generator=gen).to(dtype)
+        x = torch.randn(300, depth, generator=gen).to(dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, hint)
         for n in threads:
             torch.set_num_threads(n)
-            for count in (1, 2, 8, 32, 70):
+            for count in (1, 2, 8, 32, 70, 300):
                 assert torch.equal(bi.linear(x[:count], packed), bi.linear(x[:count], weight)), (depth, n, count)
     trained = weight[:64, :48].clone().requires_grad_(True)
     rows = x[:40, :48].clone().requires_grad_(True)
