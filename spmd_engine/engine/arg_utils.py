@@ -127,7 +127,10 @@ class EngineArgs:
         )
         from spmd_engine.model.loader import choose_dtype
         dtype, line = choose_dtype(model_config.dtype, inputs.hf_config, config.device)
-        logger.info("%s", line)
+        # INFO where the machine decided (a half-precision checkpoint under auto); otherwise the
+        # choice is the checkpoint's or the user's own, and a bad-input error stays one line
+        machine_chose = "checkpoint bfloat16" in line or "checkpoint float16" in line
+        logger.log(logging.INFO if machine_chose else logging.DEBUG, "%s", line)
         config.compilation_config = resolve_compilation(self.enforce_eager, self.compilation_config,
                                                         model_config, spec, config.device, dtype)
         if check_kv_budget:
