@@ -78,14 +78,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     lead, (n, k) = x.shape[:-1], weight.shape
     rows = x.reshape(-1, k)
     if uses_onednn(rows):
-        most = ONEDNN_ROWS[rows.dtype]
-        tiles = rows.split(most) if rows.shape[0] > most else [rows]
-        y = torch.cat([_onednn(tile, weight) for tile in tiles]) if len(tiles) > 1 else _onednn(rows, weight)
+        y = _in_calls(rows, ONEDNN_ROWS[rows.dtype], lambda tile: _onednn(tile, weight))
     else:
         y = mkl_linear(rows, weight)
     if bias is not None:
         y = y + bias
     return y.view(*lead, n)
+
+
+def _in_calls(rows: torch.Tensor, most: int, product) -> torch.Tensor:
+    """product(tile) over calls of up to `most` rows, stacked back (one call: no copy)."""
+    if rows.shape[0] <= most:
+        return product(rows)
+    return torch.cat([product(tile) for tile in rows.split(most)])
 
 
 def _onednn(tile: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -172,9 +177,7 @@ def partial_tree(x: torch.Tensor, weight: torch.Tensor, tp_size: int) -> torch.T
 
 def _half_slice(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x W^T for a bf16 K slice: calls of up to ONEDNN_ROWS rows, unpadded (the same bits)."""
-    rows = x.reshape(-1, x.shape[-1])
-    most = ONEDNN_ROWS[torch.bfloat16]
-    y = torch.cat([tile @ weight.t() for tile in rows.split(most)]) if rows.shape[0] > most else rows @ weight.t()
+    y = _in_calls(x.reshape(-1, x.shape[-1]), ONEDNN_ROWS[torch.bfloat16], lambda tile: tile @ weight.t())
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
