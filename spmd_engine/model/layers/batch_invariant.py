@@ -19,14 +19,19 @@ depend on its batch (or on the process's thread count). These do not, by constru
 - `row_parallel_linear`: the reduction dimension is cut into REDUCE_CHUNKS (the largest
   supported TP) products summed in one fixed pairwise tree; a TP rank computes its subtree
   and the ranks' subtrees are all-gathered and summed by the same tree, so TP 1, 2, 4 and 8
-  give the same bits.
-- `attention` (`plan_tiles`, `attend`): a query's scores are length-D dot products, the
-  same bits in any product of at least MIN_ROWS rows (measured: MKL and oneDNN do not split
-  a dimension that short), so tiles may be sized for speed; the softmax's sums and the
-  value products run in fixed key blocks of KEY_BLOCK from position 0, combined by one
-  pairwise tree over a power-of-two number of blocks, where blocks past the query add exact
-  zeros: neither the number of queries, nor cached blocks, nor the key length a tile is
-  padded to changes a query's output.
+  give the same bits. In bf16 each slice is a oneDNN product like `linear`'s, on the
+  engine's packed copies of the slices (RowParallelLinear.pack_slices) or a trainer's dense
+  weight.
+- `attention` (`plan_tiles`, `attend`): float32 computes every product with the keys' rows
+  (or a value block's head dims, no fewer than MIN_ROWS) as M and a tile's query rows as N:
+  a query's scores and sums then do not depend on how many rows share the product, down to
+  one (measured), so a decode computes only its own rows. The softmax's sums and the value
+  products run in fixed key blocks of KEY_BLOCK from position 0, combined by one pairwise
+  tree as if padded to a power of two, where blocks past the query add exact zeros: neither
+  the number of queries, nor cached blocks, nor the key length a tile is padded to changes a
+  query's output. bf16 goes through torch's SDPA (its CPU flash kernel: keys in fixed
+  blocks from 0, oneDNN products, a query's rows padded to MIN_ROWS) wherever a probe at
+  first use finds it invariant (`_sdpa_invariant`; in float32 it is not).
 - `row_sum`, `rms_norm`, `log_softmax`: a row's sum in fixed chunks of SUM_CHUNK added in
   order, never split by thread count.
 - `pointwise`: torch's elementwise kernels compute exp, silu, rsqrt, cos... with SIMD for
@@ -59,6 +64,8 @@ COLUMN_BLOCK = 64  # a decode's output columns are cut between threads in multip
 MIN_COLUMNS = 256  # and no narrower (MKL's narrow products sum in another order: measured)
 GRAIN = 32768  # torch's elementwise kernels split work between threads from this many elements
 MAX_SCORES = 1 << 22  # score elements per attention call (tiles are independent: any split)
+PAD_LIMIT = 1.25  # keys a call reads for its tiles, at most this many times those they need
+EXP_FLOOR = -87.0  # exp of less is subnormal or 0, where torch's exp is 10-100x slower (measured)
 
 
 def uses_onednn(x: torch.Tensor) -> bool:
@@ -157,15 +164,18 @@ def chunks_per_rank(tp_size: int) -> int:
     return REDUCE_CHUNKS // tp_size
 
 
-def partial_tree(x: torch.Tensor, weight: torch.Tensor, tp_size: int) -> torch.Tensor:
+def partial_tree(x: torch.Tensor, weight: torch.Tensor, tp_size: int,
+                 slices: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
     """This rank's subtree: its REDUCE_CHUNKS / tp_size slices of K, each a product, summed.
     fp32 slices go to `mkl_linear` (sliced weights have no packed form), a decode's in one
     bmm, a slice a product (the same sequential product `mkl_linear` runs for a tile), when
-    there are enough of them for the threads; bf16 slices to `_half_slice`."""
+    there are enough of them for the threads; bf16 slices to oneDNN like `linear`, through
+    the engine's packed copies of them (`slices`) or the dense weight's (the same bits)."""
     n = chunks_per_rank(tp_size)
     rows, t = x.reshape(-1, x.shape[-1]), MKL_ROWS
-    if x.dtype != torch.float32:  # oneDNN through matmul: it takes the strided slice as it is
-        return tree_sum([_half_slice(xc, wc) for xc, wc in zip(x.chunk(n, dim=-1), weight.chunk(n, dim=-1))])
+    if x.dtype != torch.float32:
+        parts = slices if slices is not None else weight.chunk(n, dim=-1)
+        return tree_sum([linear(xc, wc) for xc, wc in zip(x.chunk(n, dim=-1), parts)])
     if rows.shape[0] <= t and n >= max(2, torch.get_num_threads()):
         m, (out, k) = rows.shape[0], weight.shape
         tiles = F.pad(rows, (0, 0, 0, t - m)).view(t, n, k // n).transpose(0, 1)  # [n, t, K / n]
@@ -175,12 +185,6 @@ def partial_tree(x: torch.Tensor, weight: torch.Tensor, tp_size: int) -> torch.T
     return tree_sum(parts).view(*x.shape[:-1], weight.shape[0])
 
 
-def _half_slice(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x W^T for a bf16 K slice: calls of up to ONEDNN_ROWS rows, unpadded (the same bits)."""
-    y = _in_calls(x.reshape(-1, x.shape[-1]), ONEDNN_ROWS[torch.bfloat16], lambda tile: tile @ weight.t())
-    return y.view(*x.shape[:-1], weight.shape[0])
-
-
 def gather_tree(partial: torch.Tensor, group) -> torch.Tensor:
     """The ranks' subtrees summed by the top of the tree: an all-gather, not an all-reduce."""
     if group.world_size == 1:
@@ -188,9 +192,10 @@ def gather_tree(partial: torch.Tensor, group) -> torch.Tensor:
     return tree_sum(list(group.all_gather(partial.unsqueeze(0), dim=0).unbind(0)))
 
 
-def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, group) -> torch.Tensor:
+def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, group,
+                        slices: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
     """sum over the group of x_r W_r^T, the same bits at every TP size dividing REDUCE_CHUNKS."""
-    return gather_tree(partial_tree(x, weight, group.world_size), group)
+    return gather_tree(partial_tree(x, weight, group.world_size, slices), group)
 
 
 def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
@@ -237,28 +242,31 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def pairwise_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """`tree_sum` along `dim` (a power-of-two size), one add a level."""
+    """`tree_sum` along `dim` as if padded with zeros to a power of two, one add a level: an
+    odd level's last element moves up unchanged (the zero it would meet adds nothing)."""
     dim %= x.dim()
     while x.shape[dim] > 1:
-        x = x.unflatten(dim, (-1, 2))
-        x = x.select(dim + 1, 0) + x.select(dim + 1, 1)
+        size = x.shape[dim]
+        pairs = x.narrow(dim, 0, size - size % 2).unflatten(dim, (-1, 2))
+        total = pairs.select(dim + 1, 0) + pairs.select(dim + 1, 1)
+        x = torch.cat([total, x.narrow(dim, size - 1, 1)], dim) if size % 2 else total
     return x.squeeze(dim)
 
 
 def key_length(last_position: int) -> int:
-    """Keys a tile reads: a power-of-two number of KEY_BLOCKs covering 0..last_position."""
+    """Keys a prompt's tile reads: a power-of-two number of KEY_BLOCKs covering 0..last_position."""
     return KEY_BLOCK << (-(-(last_position + 1) // KEY_BLOCK) - 1).bit_length()
 
 
 def sequence_tiles(context: int, queries: int, group: int) -> list[tuple[int, int, int]]:
     """(first query, tile size, key length) of each tile of a sequence with `context` keys
-    cached and `queries` new ones. A tile's size never changes a query's bits, so tiles are
-    sized for speed: a decode gets the fewest rows a product may have, a prompt one tile per
-    run of queries that read the same power-of-two key length (keys gathered once a run,
-    at most 2x the causal work), each a power of two, at most MAX_SCORES scores a tile."""
-    short = -(-MIN_ROWS // group)
-    if queries <= short:
-        return [(0, short, key_length(context + queries - 1))]
+    cached and `queries` new ones. Neither a tile's size nor its key length changes a query's
+    bits, so both are chosen for speed: a decode (or a few queries) gets one tile reading the
+    KEY_BLOCKs it needs; a prompt one tile per run of queries that read the same power-of-two
+    key length (keys gathered once a run, at most 2x the causal work), each a power of two,
+    at most MAX_SCORES scores a tile."""
+    if queries * group <= MIN_ROWS:
+        return [(0, 1 << (queries - 1).bit_length(), -(-(context + queries) // KEY_BLOCK) * KEY_BLOCK)]
     tiles, j = [], 0
     while j < queries:
         length = key_length(context + j)
@@ -268,6 +276,21 @@ def sequence_tiles(context: int, queries: int, group: int) -> list[tuple[int, in
         tiles.append((j, size, length))
         j += min(size, run)
     return tiles
+
+
+def bucket_lengths(lengths: Sequence[int]) -> dict[int, int]:
+    """Tiles of one size share a call (and a key length, the longest) while the keys they
+    read padded stay within PAD_LIMIT of those they need: length -> the call's length."""
+    out, longest, tiles, need = {}, 0, 0, 0
+    for length in sorted(set(lengths), reverse=True):
+        count = lengths.count(length)
+        if tiles and (tiles + count) * longest > PAD_LIMIT * (need + count * length):
+            tiles, need = 0, 0
+        if not tiles:
+            longest = length
+        tiles, need = tiles + count, need + count * length
+        out[length] = longest
+    return out
 
 
 @dataclass
@@ -291,10 +314,12 @@ def plan_tiles(context_lens: Sequence[int], query_lens: Sequence[int], row_start
     (key length, tile size). Sequence b has context_lens[b] keys already and query_lens[b]
     new queries at packed rows row_start[b]..; key_rows(seqs [n], positions [L]) gives the
     rows of the flat key tensor holding those sequences' keys at those positions."""
+    tiles = [(b, j, qt, length) for b, (ctx, q) in enumerate(zip(context_lens, query_lens))
+             for j, qt, length in sequence_tiles(ctx, q, group)]
+    padded = {qt: bucket_lengths([t[3] for t in tiles if t[2] == qt]) for qt in {t[2] for t in tiles}}
     shapes: dict[tuple[int, int], list[tuple[int, int]]] = {}
-    for b, (ctx, q) in enumerate(zip(context_lens, query_lens)):
-        for j, qt, length in sequence_tiles(ctx, q, group):
-            shapes.setdefault((length, qt), []).append((b, j))
+    for b, j, qt, length in tiles:
+        shapes.setdefault((padded[qt][length], qt), []).append((b, j))
     ctx_t, qlen_t = torch.tensor(list(context_lens)), torch.tensor(list(query_lens))
     start_t, total = torch.tensor(list(row_start)), sum(query_lens)
     buckets, flat, at = [], [], 0
@@ -342,31 +367,106 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: 
     n, t, heads, d = q.shape
     kv, length = keys.shape[2], keys.shape[1]
     group, nb = heads // kv, length // KEY_BLOCK
-    if nb & (nb - 1) or nb * KEY_BLOCK != length:
-        raise ValueError(f"key length {length} is not a power-of-two number of {KEY_BLOCK}-key blocks")
-    rows = t * group
-    if rows < MIN_ROWS or n < 2:  # pad: no product smaller than MIN_ROWS, none alone in its call
-        pad_t, pad_n = max(t, -(-MIN_ROWS // group)) - t, max(n, 2) - n
-        out = attention(F.pad(q, (0, 0, 0, 0, 0, pad_t, 0, pad_n)), F.pad(keys, (0, 0, 0, 0, 0, 0, 0, pad_n)),
-                        F.pad(values, (0, 0, 0, 0, 0, 0, 0, pad_n)), F.pad(q_pos, (0, pad_t, 0, pad_n)), scale)
-        return out[:n, :t]
-    f32 = torch.float32
+    if nb * KEY_BLOCK != length:
+        raise ValueError(f"key length {length} is not a whole number of {KEY_BLOCK}-key blocks")
+    if n < 2:  # no product alone in its call (a lone bmm may split its sums between threads)
+        pad = (0, 0, 0, 0, 0, 0, 0, 2 - n)
+        return attention(F.pad(q, pad), F.pad(keys, pad), F.pad(values, pad), F.pad(q_pos, (0, 0, 0, 2 - n)),
+                         scale)[:n]
+    if q.dtype == torch.bfloat16 and _sdpa_invariant(q.device.type, d, q.dtype):
+        return _flash_tiles(q, keys, values, q_pos, scale)
+    f32, rows = torch.float32, t * group
     keys, values = keys.to(f32), values.to(f32)  # no copy in fp32
-    # [n, kv, t * group, D]: a KV head's query heads folded into the rows, per KV head one call
-    # on strided views of the gathered keys (no copy of them per query head)
-    qf = q.to(f32).view(n, t, kv, group, d).transpose(1, 2).reshape(n, kv, rows, d)
-    hidden = torch.arange(length, device=q.device).view(1, 1, 1, length) > q_pos.view(n, t, 1, 1)
+    if d < MIN_ROWS:  # a head this narrow meets MKL's small kernels (other sums): zeros pad it
+        q, keys, values = (F.pad(x, (0, MIN_ROWS - d)) for x in (q, keys, values))
+        return attention(q, keys, values, q_pos, scale)[..., :d]
+    # [n, kv, D, rows]: a KV head's query heads folded into the columns; each product has the
+    # keys' (or a value block's dims') rows, so a decode's few columns cost what they compute
+    qf = (q.to(f32) * scale).view(n, t, kv, group, d).permute(0, 2, 4, 1, 3).reshape(n, kv, d, rows)
+    hidden = torch.arange(length, device=q.device).view(1, length, 1, 1) > q_pos.view(n, 1, t, 1)
     outs = []
     for h in range(kv):
-        s = torch.bmm(qf[:, h], keys[:, :, h].transpose(1, 2)) * scale  # [n, rows, L]
-        s = s.view(n, t, group, length).masked_fill(hidden, float("-inf")).view(n, rows, length)
-        p = pointwise(torch.exp, s - s.amax(dim=-1, keepdim=True)).view(n, rows, nb, KEY_BLOCK)
-        denom = pairwise_sum(p.sum(-1), dim=-1)  # [n, rows]
-        blocks = p.transpose(1, 2).reshape(n * nb, rows, KEY_BLOCK)
-        vb = values[:, :, h].reshape(n * nb, KEY_BLOCK, d)  # a view: blocks are rows of the keys
-        acc = pairwise_sum(torch.bmm(blocks, vb).view(n, nb, rows, d), dim=1)  # [n, rows, D]
-        outs.append((acc / denom.unsqueeze(-1)).view(n, t, group, d))
+        s = torch.bmm(keys[:, :, h], qf[:, h])  # [n, L, rows], on a strided view of the keys
+        s = s.view(n, length, t, group).masked_fill(hidden, float("-inf")).view(n, length, rows)
+        p = pointwise(torch.exp, (s - s.amax(dim=1, keepdim=True)).clamp(min=EXP_FLOOR))
+        p = p.view(n, length, t, group).masked_fill(hidden, 0).view(n * nb, KEY_BLOCK, rows)
+        sums = p.transpose(1, 2).contiguous().sum(-1)  # [n * nb, rows]: a block's keys innermost
+        denom = pairwise_sum(sums.view(n, nb, rows), dim=1)  # [n, rows]
+        vb = values[:, :, h].reshape(n * nb, KEY_BLOCK, d).transpose(1, 2)  # a view: [n * nb, D, KEY_BLOCK]
+        acc = pairwise_sum(torch.bmm(vb, p).view(n, nb, d, rows), dim=1)  # [n, D, rows]
+        outs.append((acc / denom.unsqueeze(1)).view(n, d, t, group).permute(0, 2, 3, 1))
     return torch.stack(outs, dim=2).reshape(n, t, heads, d).to(q.dtype)
+
+
+def _flash_tiles(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """`attention` through torch's bf16 SDPA (`_sdpa_invariant`): a tile's queries, a KV head's
+    query heads folded into its rows, under an explicit mask of the keys each may see."""
+    n, t, heads, d = q.shape
+    kv, length = keys.shape[2], keys.shape[1]
+    group = heads // kv
+    rows = t * group
+    qf = q.view(n, t, kv, group, d).transpose(1, 2).reshape(n, kv, rows, d)
+    visible = torch.arange(length, device=q.device).view(1, 1, 1, length) <= q_pos.view(n, t, 1, 1)
+    mask = visible.expand(n, t, group, length).reshape(n, 1, rows, length)
+    if rows < MIN_ROWS:  # a lone row (a decode at TP 8) meets another kernel: padded, as the products are
+        qf, mask = F.pad(qf, (0, 0, 0, MIN_ROWS - rows)), F.pad(mask, (0, 0, 0, MIN_ROWS - rows), value=True)
+    out = F.scaled_dot_product_attention(qf, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
+                                         scale=scale)[:, :, :rows]  # [n, kv, t * group, D]
+    return out.reshape(n, kv, t, group, d).transpose(1, 2).reshape(n, t, heads, d)
+
+
+@functools.lru_cache(maxsize=None)
+def _sdpa_invariant(device_type: str, d: int, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether bf16 SDPA gives a query the same bits whatever shares its call: torch's CPU
+    flash kernel runs a query's keys in fixed blocks from position 0, with oneDNN products
+    whose rows do not depend on their neighbours, one thread per block of queries; measured
+    (any number of queries, sequences, padded keys and threads) on AVX512-BF16/AMX with
+    torch 2.13, and tested (tests/unit/model/test_batch_invariant_kernels.py). This probe
+    keeps the float32 recipe wherever a query's output moves with its call, as it does in
+    float32 (MKL's products) and may on another CPU or build."""
+    if device_type != "cpu" or not _onednn_bf16():
+        return False
+    threads = torch.get_num_threads()
+    try:
+        return all(_sdpa_probe(seed, d, dtype, n_threads) for seed in (0, 1, 2)
+                   for n_threads in sorted({1, threads, threads + 1}))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _sdpa_probe(seed: int, d: int, dtype: torch.dtype, threads: int) -> bool:
+    """Sixteen queries within, then past, the kernel's first 512-key block: each alone (a
+    decode), then in a tile of 16 and of 256 queries among other sequences with padded keys,
+    and as a TP rank's share of the query heads (one head alone, two)."""
+    gen = torch.Generator().manual_seed(seed)
+    kv, group, count, before = 2, 4, 16, 200
+    q = torch.randn(3, before + 56, kv * group, d, generator=gen).to(dtype)
+    k, v = (torch.randn(3, 1100, kv, d, generator=gen).to(dtype) for _ in range(2))
+    torch.set_num_threads(threads)
+    for first in (280, 590):
+        pos = torch.arange(first - before, first + 56).view(1, -1).expand(3, -1)
+        probe = slice(before, before + count)
+        alone = torch.cat([_flash_tiles(q[:1, j:j + 1], k[:1, :_blocks(p + 1)], v[:1, :_blocks(p + 1)],
+                                        pos[:1, j:j + 1], 0.125) for j, p in zip(range(before, before + count),
+                                                                                  range(first, first + count))], dim=1)
+        end = _blocks(first + 56) + 64
+        tiles = (_flash_tiles(q[:, probe], k[:, :end], v[:, :end], pos[:, probe], 0.125)[:1],
+                 _flash_tiles(q[:2], k[:2, :end], v[:2, :end], pos[:2], 0.125)[:1, probe])
+        if not all(torch.equal(tile, alone) for tile in tiles):
+            return False
+        for heads in (1, 2):  # of the first KV head
+            length = _blocks(first + count)
+            part = torch.cat([_flash_tiles(q[:2, j:j + 1, :heads], k[:2, :length, :1], v[:2, :length, :1],
+                                           pos[:2, j:j + 1], 0.125) for j in range(before, before + count)], dim=1)
+            if not torch.equal(part[:1], alone[:, :, :heads]):
+                return False
+    return True
+
+
+def _blocks(keys: int) -> int:
+    """The fewest keys, in whole KEY_BLOCKs, covering `keys`."""
+    return -(-keys // KEY_BLOCK) * KEY_BLOCK
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

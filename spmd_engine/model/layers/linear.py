@@ -156,7 +156,7 @@ class RowParallelLinear(nn.Module):
     """
 
     packable_weight = True
-    packable_invariant = False  # batch-invariant mode slices the weight into its chunks
+    packable_invariant = False  # batch-invariant mode slices the weight into its chunks (pack_slices)
     batch_invariant = False  # a fixed chunked reduction tree instead of the all-reduce
     compile_group = -1  # compilation.register_group's number for `group`, set when layers are compiled
 
@@ -171,13 +171,35 @@ class RowParallelLinear(nn.Module):
         self.input_size_per_rank = divide(input_size, self.tp_size, "input size")
         self.weight = _param(output_size, self.input_size_per_rank, dtype=dtype)
         self.bias = _param(output_size, dtype=dtype) if bias else None
+        self.slices_batch_hint: int | None = None  # set by pack_slices
+        self._slices: tuple | None = None
 
     def extra_repr(self) -> str:
         return f"in_per_rank={self.input_size_per_rank}, out={self.output_size}, tp={self.tp_size}"
 
+    def pack_slices(self, batch_hint: int) -> None:
+        """Batch-invariant mode: oneDNN-packed copies of the weight's K slices from now on (built
+        lazily, again after every load). The dense weight stays what loads, updates and a
+        trainer see; the copies cost its size again."""
+        self.slices_batch_hint, self._slices = batch_hint, None
+
+    def drop_packed(self) -> None:
+        self._slices = None
+
+    def _invariant_slices(self) -> list[torch.Tensor] | None:
+        if self.slices_batch_hint is None or self.weight.numel() == 0:
+            return None
+        key = (self.weight.data_ptr(), self.weight.device)
+        if self._slices is None or self._slices[0] != key:
+            n = bi.chunks_per_rank(self.tp_size)
+            reorder = torch.ops.mkldnn._reorder_linear_weight
+            self._slices = (key, [reorder(w.contiguous(), self.slices_batch_hint)
+                                  for w in self.weight.detach().chunk(n, dim=-1)])
+        return self._slices[1]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.batch_invariant:
-            y = bi.row_parallel_linear(x, self.weight, self.group)
+            y = bi.row_parallel_linear(x, self.weight, self.group, self._invariant_slices())
         elif self.tp_size > 1 and torch.compiler.is_compiling():  # the collective stays out of the graph
             y = torch.ops.spmd_engine.all_reduce(linear(x, self.weight), self.compile_group)
         else:
@@ -192,3 +214,4 @@ class RowParallelLinear(nn.Module):
         check_shape(loaded, (self.output_size, self.input_size), "RowParallelLinear")
         n = self.input_size_per_rank
         copy_into(param.data, read_range(loaded, 1, self.tp_rank * n, (self.tp_rank + 1) * n))
+        self._slices = None  # the packed slices no longer match

@@ -86,6 +86,11 @@ def pack_linear_weights(model: nn.Module, batch_hint: int, batch_invariant: bool
     """
     packed = 0
     for module in model.modules():
+        if batch_invariant and hasattr(module, "pack_slices"):  # bf16: its K slices (fp32 stays with MKL)
+            if module.weight.dtype == torch.bfloat16:
+                module.pack_slices(batch_hint)
+                packed += 1
+            continue
         if batch_invariant and (hasattr(module, "pack_experts") or not getattr(module, "packable_invariant", True)):
             continue
         if hasattr(module, "pack_experts"):  # MoE experts: packed per expert (moe.py)

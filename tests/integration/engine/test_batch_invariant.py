@@ -65,16 +65,19 @@ def needle_mismatches(llm: LLM, trials: int, seed: int = 0) -> list[str]:
     return bad
 
 
-def test_needle_invariant_across_batches_budgets_cache_and_preemption(tiny):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_needle_invariant_across_batches_budgets_cache_and_preemption(tiny, dtype):
     """Default budget, chunks of 16 and 64, block size 8, prefix hits (warm: the same needle
-    again) and a KV cache small enough to preempt: every run equals the needle alone."""
-    ref = LLM(model=str(tiny), batch_invariant=True)
+    again) and a KV cache small enough to preempt: every run equals the needle alone. bf16
+    has its own attention (torch's SDPA where it is invariant) and packed row-parallel slices."""
+    ref = LLM(model=str(tiny), batch_invariant=True, dtype=dtype)
     assert needle_mismatches(ref, trials=2) == []
     alone = needle_mismatches  # the same seed: the same needle and batches in every engine
     ref.shutdown()
-    small = dict(block_size=8, kv_cache_memory_bytes=4 * 64 * 2 * 8 * 60, max_num_batched_tokens=64)
+    itemsize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    small = dict(block_size=8, kv_cache_memory_bytes=itemsize * 64 * 2 * 8 * 60, max_num_batched_tokens=64)
     for kwargs in (dict(max_num_batched_tokens=16, enable_prefix_caching=False), small):
-        with LLM(model=str(tiny), batch_invariant=True, **kwargs) as llm:
+        with LLM(model=str(tiny), batch_invariant=True, dtype=dtype, **kwargs) as llm:
             assert alone(llm, trials=2) == [], kwargs
             stats = llm.get_stats()
             if kwargs is small:
@@ -150,6 +153,7 @@ def test_layouts_tp_1_2_4_8_pp_dp_ep_and_moe(tiny, tmp_path):
         dict(tensor_parallel_size=2, pipeline_parallel_size=4, pp_partition="1,1,1,1")]
     sparse = [dict(tensor_parallel_size=2), dict(tensor_parallel_size=2, enable_expert_parallel=True),
               dict(tensor_parallel_size=2, data_parallel_size=2, enable_expert_parallel=True)]
+    dense += [dict(tensor_parallel_size=tp, dtype="bfloat16") for tp in (1, 2, 8)]
     plan = [{"model": str(tiny), "layout": dict(d, batch_invariant=True)} for d in dense]
     plan += [{"model": str(path), "layout": dict(s, batch_invariant=True)} for path in moe.values() for s in sparse]
     plan += [{"model": str(tiny), "layout": dict(tensor_parallel_size=tp)} for tp in (1, 2)]  # default mode
@@ -164,10 +168,10 @@ def test_layouts_tp_1_2_4_8_pp_dp_ep_and_moe(tiny, tmp_path):
         with LLM(model=str(model), batch_invariant=True, **kwargs) as llm:
             return json.loads(json.dumps(workload(llm, vocab)))  # JSON's floats, as the launch's
 
-    want = uni(tiny)
+    want = {dtype: uni(tiny, dtype=dtype) for dtype in ("float32", "bfloat16")}
     for entry, got in zip(plan[:len(dense)], results):
-        assert got == want, entry["layout"]
-    assert uni(tiny, tensor_parallel_size=2, pipeline_parallel_size=2) == want  # mp, 1 thread a worker
+        assert got == want[entry["layout"].get("dtype", "float32")], entry["layout"]
+    assert uni(tiny, tensor_parallel_size=2, pipeline_parallel_size=2) == want["float32"]  # mp, 1 thread a worker
     for i, path in enumerate(moe.values()):
         want_moe = uni(path)
         for j, s in enumerate(sparse):

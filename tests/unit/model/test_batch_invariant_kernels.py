@@ -134,18 +134,31 @@ def attend_chunks(seqs, chunks):
     return [torch.cat(o) for o in out]
 
 
-@pytest.mark.parametrize("heads,kv,d", [(8, 2, 16), (4, 1, 128)])
-def test_attention_queries_ignore_batch_chunks_and_threads(threads, heads, kv, d):
-    seqs = sequences([300, 1, 45, 130, 64], kv=kv, heads=heads, d=d)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv,d", [(8, 2, 16), (4, 1, 128), (4, 1, 8)])
+def test_attention_queries_ignore_batch_chunks_heads_and_threads(threads, heads, kv, d, dtype):
+    """Head dim 8 (the tests' tiny models) meets MKL's small kernels unless padded; bf16 goes
+    through torch's SDPA where the probe finds it invariant."""
+    seqs = [tuple(x.to(dtype) for x in s) for s in sequences([300, 1, 45, 130, 64], kv=kv, heads=heads, d=d)]
     torch.set_num_threads(1)
     want = [attend_chunks([s], [len(s[0])])[0] for s in seqs]  # each alone, whole
     for n in threads:
         torch.set_num_threads(n)
-        for chunks in ([10_000] * 5, [16] * 5, [1, 7, 33, 64, 5]):
+        for chunks in ([10_000] * 5, [16] * 5, [1, 7, 33, 64, 5], [1] * 5):
             got = attend_chunks(seqs, chunks)
             assert all(torch.equal(g, w) for g, w in zip(got, want)), (n, chunks)
         # a decode tile beside a long prompt's, the decode's key length padded differently
         assert torch.equal(attend_chunks(seqs[:2], [300, 1])[1], want[1])
+    # a TP rank holds some of a KV head's query heads: one alone, the same bits
+    for chunks in ([10_000] * 5, [1] * 5):
+        alone = attend_chunks([(q[:, :1], k[:, :1], v[:, :1]) for q, k, v in seqs], chunks)
+        assert all(torch.equal(a, w[:, :1]) for a, w in zip(alone, want)), chunks
+
+
+def test_sdpa_serves_only_where_the_probe_finds_it_invariant():
+    """The negative control of the bf16 path: in float32 SDPA's products (MKL's) move a
+    query's bits with its call, and the probe sees it."""
+    assert not bi._sdpa_invariant("cpu", 64, torch.float32)
 
 
 def test_attention_matches_softmax_attention():
@@ -165,6 +178,8 @@ def test_tiles_cover_every_query_once_within_the_score_cap():
             real = [j for j in range(first, first + size) if j < q and ctx + j < length]
             assert real and real[0] == first
             assert all(ctx + j < length for j in real) and length % bi.KEY_BLOCK == 0
-            assert size * group >= bi.MIN_ROWS and (size * group * length <= bi.MAX_SCORES or size <= bi.LONG_TILE)
+            assert size * group * length <= bi.MAX_SCORES or size <= bi.LONG_TILE
+            if q * group <= bi.MIN_ROWS:  # a decode reads only the key blocks it needs
+                assert len(tiles) == 1 and length == -(-(ctx + q) // bi.KEY_BLOCK) * bi.KEY_BLOCK
             covered += real
         assert covered == list(range(q)), (ctx, q, group)

@@ -121,3 +121,29 @@ def test_a_failing_or_wrong_packed_matmul_keeps_plain_weights(monkeypatch):
         monkeypatch.undo()
     packed_weights._trial_matmul_agrees.cache_clear()
     assert packing_applies(torch.float32, torch.device("cpu"))
+
+
+@needs_bf16
+def test_batch_invariant_row_parallel_slices_follow_every_load_and_discard():
+    """bf16 batch-invariant mode keeps packed copies of the row-parallel K slices beside the
+    dense weight: an in-place load (a trainer's update), a discard and a new allocation must
+    each be seen, or the engine would serve the old weights."""
+    from spmd_engine.model.layers.linear import RowParallelLinear
+    layer = RowParallelLinear(256, 64, SoloGroup(), dtype=torch.bfloat16)
+    layer.batch_invariant = True
+    gen = torch.Generator().manual_seed(0)
+    first, second = (torch.randn(64, 256, generator=gen).bfloat16() for _ in range(2))
+    layer.weight_loader(layer.weight, first)
+    x = torch.randn(5, 256, generator=gen).bfloat16()
+    dense = layer(x)  # before packing: the dense weight's slices
+    layer.pack_slices(8)
+    assert torch.equal(layer(x), dense)  # the packed slices: the same bits
+    layer.weight_loader(layer.weight, second)  # in place: the same storage
+    want = RowParallelLinear(256, 64, SoloGroup(), dtype=torch.bfloat16)
+    want.batch_invariant = True
+    want.weight_loader(want.weight, second)
+    assert torch.equal(layer(x), want(x))
+    layer.drop_packed()
+    layer.weight.data = torch.empty(64, 256, dtype=torch.bfloat16)  # as allocate_discarded_weights
+    layer.weight.data.copy_(first)
+    assert torch.equal(layer(x), dense)
