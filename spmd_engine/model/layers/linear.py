@@ -179,9 +179,11 @@ class RowParallelLinear(nn.Module):
 
     def pack_slices(self, batch_hint: int) -> None:
         """Batch-invariant mode: oneDNN-packed copies of the weight's K slices from now on (built
-        lazily, again after every load). The dense weight stays what loads, updates and a
-        trainer see; the copies cost its size again."""
+        now, at load time, so the memory they take is counted before the KV cache is sized;
+        again after every load). The dense weight stays what loads, updates and a trainer
+        see; the copies cost its size again."""
         self.slices_batch_hint, self._slices = batch_hint, None
+        self._invariant_slices()
 
     def drop_packed(self) -> None:
         self._slices = None
