@@ -266,7 +266,7 @@ def sequence_tiles(context: int, queries: int, group: int) -> list[tuple[int, in
     key length (keys gathered once a run, at most 2x the causal work), each a power of two,
     at most MAX_SCORES scores a tile."""
     if queries * group <= MIN_ROWS:
-        return [(0, 1 << (queries - 1).bit_length(), -(-(context + queries) // KEY_BLOCK) * KEY_BLOCK)]
+        return [(0, 1 << (queries - 1).bit_length(), _blocks(context + queries))]
     tiles, j = [], 0
     while j < queries:
         length = key_length(context + j)
