@@ -369,12 +369,12 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: 
     group, nb = heads // kv, length // KEY_BLOCK
     if nb * KEY_BLOCK != length:
         raise ValueError(f"key length {length} is not a whole number of {KEY_BLOCK}-key blocks")
+    if q.dtype == torch.bfloat16 and _sdpa_invariant(q.device.type, d, q.dtype):
+        return _flash_tiles(q, keys, values, q_pos, scale)  # (the probe checks a lone sequence too)
     if n < 2:  # no product alone in its call (a lone bmm may split its sums between threads)
         pad = (0, 0, 0, 0, 0, 0, 0, 2 - n)
         return attention(F.pad(q, pad), F.pad(keys, pad), F.pad(values, pad), F.pad(q_pos, (0, 0, 0, 2 - n)),
                          scale)[:n]
-    if q.dtype == torch.bfloat16 and _sdpa_invariant(q.device.type, d, q.dtype):
-        return _flash_tiles(q, keys, values, q_pos, scale)
     f32, rows = torch.float32, t * group
     keys, values = keys.to(f32), values.to(f32)  # no copy in fp32
     if d < MIN_ROWS:  # a head this narrow meets MKL's small kernels (other sums): zeros pad it

@@ -156,7 +156,6 @@ class RowParallelLinear(nn.Module):
     """
 
     packable_weight = True
-    packable_invariant = False  # batch-invariant mode slices the weight into its chunks (pack_slices)
     batch_invariant = False  # a fixed chunked reduction tree instead of the all-reduce
     compile_group = -1  # compilation.register_group's number for `group`, set when layers are compiled
 

@@ -82,16 +82,17 @@ def pack_linear_weights(model: nn.Module, batch_hint: int, batch_invariant: bool
     and stays dense for the embedding. Memory grows by one matrix at most while
     packing: each dense weight is released as soon as its packed copy exists.
     Returns how many weights were packed. In batch-invariant mode the weights its kernels
-    slice (row-parallel chunks, experts) stay dense.
+    slice stay dense: experts, and row-parallel weights, which in bf16 get packed copies of
+    their K slices beside them (RowParallelLinear.pack_slices; fp32 slices go to MKL).
     """
     packed = 0
     for module in model.modules():
-        if batch_invariant and hasattr(module, "pack_slices"):  # bf16: its K slices (fp32 stays with MKL)
+        if batch_invariant and hasattr(module, "pack_slices"):
             if module.weight.dtype == torch.bfloat16:
                 module.pack_slices(batch_hint)
                 packed += 1
             continue
-        if batch_invariant and (hasattr(module, "pack_experts") or not getattr(module, "packable_invariant", True)):
+        if batch_invariant and hasattr(module, "pack_experts"):
             continue
         if hasattr(module, "pack_experts"):  # MoE experts: packed per expert (moe.py)
             module.pack_experts(batch_hint)
