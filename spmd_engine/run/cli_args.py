@@ -8,10 +8,10 @@ layout `run` launches. Usage errors leave through `UsageParser.error`: one
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import NoReturn
 
 from spmd_engine.config import BACKENDS, CacheConfig, ConfigError, ParallelConfig, SchedulerConfig
+from spmd_engine.run.stderr_line import report
 
 EXIT_USAGE = 2
 
@@ -44,7 +44,7 @@ class UsageParser(argparse.ArgumentParser):
         self.register("type", int, bounded_int)  # argument groups share this registry
 
     def error(self, message: str) -> NoReturn:
-        print(f"error: {message}", file=sys.stderr)
+        report(f"error: {message}")
         raise SystemExit(EXIT_USAGE)
 
 

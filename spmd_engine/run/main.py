@@ -28,6 +28,7 @@ from spmd_engine.run.cli_args import (
 from spmd_engine.run.jobs import check_launched_world, prompts_to_do, run_launched, run_local
 from spmd_engine.run.prompts import load_prompts, read_chat_template
 from spmd_engine.run.records import PromptJob, print_records
+from spmd_engine.run.stderr_line import report
 from spmd_engine.sampling_params import SamplingParams
 from spmd_engine.topology import TopologyError
 
@@ -201,15 +202,15 @@ def execute(args, load_job) -> int:
     except (ConfigError, TopologyError) as exc:
         if rank0:
             flag = getattr(exc, "flag", None)
-            print(f"error: {flag + ': ' if flag else ''}{exc}", file=sys.stderr)
+            report(f"error: {flag + ': ' if flag else ''}{exc}")
         elif _launched():
             _let_rank0_report_first()
         return EXIT_USAGE
     except KeyboardInterrupt:
-        print(f"error: [rank {launched_rank()}] interrupted", file=sys.stderr)
+        report(f"error: [rank {launched_rank()}] interrupted")
         return 130
     except Exception as exc:  # runtime failure: one line per rank that saw it
-        print(f"error: [rank {launched_rank()}] {type(exc).__name__}: {exc}", file=sys.stderr)
+        report(f"error: [rank {launched_rank()}] {type(exc).__name__}: {exc}")
         _record_for_torchrun(exc)
         return EXIT_RUNTIME
     if records is not None:

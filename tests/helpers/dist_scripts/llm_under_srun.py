@@ -28,5 +28,9 @@ if __name__ == "__main__":
             seed_mismatch = "accepted"
         except ConfigError as exc:
             seed_mismatch = str(exc)
-    print(json.dumps({"backend": backend, "without_seed": without_seed, "seed_0": seed_0, "seed_mismatch": seed_mismatch,
-                      "first": first, "second": second}), flush=True)
+    record = {"backend": backend, "without_seed": without_seed, "seed_0": seed_0, "seed_mismatch": seed_mismatch,
+              "first": first, "second": second}
+    # One write per line: unbuffered (the tests' PYTHONUNBUFFERED), print() writes the text and
+    # its newline apart, and the two tasks' lines run together in the shared stdout.
+    sys.stdout.write(json.dumps(record) + "\n")
+    sys.stdout.flush()
