@@ -94,11 +94,11 @@ class Sampler:
         greedy = [i for i, s in enumerate(states) if s.params.greedy]
         rows = [i for i, s in enumerate(states) if not s.params.greedy]
         if not rows:
-            tokens = x.argmax(dim=-1)
+            tokens = greedy_tokens(x)
         else:
             tokens = torch.empty(len(states), dtype=torch.long, device=x.device)
             if greedy:
-                tokens[_index(greedy, x.device)] = sample_draw.select_rows(x, greedy).argmax(dim=-1)
+                tokens[_index(greedy, x.device)] = greedy_tokens(sample_draw.select_rows(x, greedy))
             ps = [states[i].params for i in rows]
             u = sample_draw.uniforms([states[i].seed for i in rows], [output_index[i] for i in rows])
             tokens[_index(rows, x.device)] = sample_draw.draw(
@@ -207,6 +207,16 @@ def logprob_entries(logits: torch.Tensor, tokens: torch.Tensor, counts: list[int
             entry[token] = (value, rank)
         out.append(entry)
     return out
+
+
+def greedy_tokens(x: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax. On CPU through max(dim), which returns the same index (the first of
+    tied maxima, a NaN's if any) in a vectorised loop: torch's CPU argmax walks the row one
+    element at a time, slower than a whole decoder layer's norms at a 32k vocabulary
+    (tests/unit/sample/test_sampler.py holds the two equal; docs/performance.md the cost)."""
+    if x.is_cpu:
+        return x.max(dim=-1).indices
+    return x.argmax(dim=-1)
 
 
 def _index(rows: list[int], device) -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch
 from spmd_engine.config import ConfigError
 from spmd_engine.sample import draw as sample_draw
 from spmd_engine.sample.penalties import apply_penalties
-from spmd_engine.sample.sampler import RequestState, Sampler
+from spmd_engine.sample.sampler import RequestState, Sampler, greedy_tokens
 from spmd_engine.sampling_params import SamplingParams
 
 
@@ -29,6 +29,31 @@ def test_greedy_is_argmax_and_logprobs_hold_top_k_plus_sampled():
     (token,) = tokens
     assert list(logprobs[0]) == [token]
     assert logprobs[0][token][1] == int((expected > expected[token]).sum()) + 1
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_greedy_tokens_are_argmax_through_ties_nans_and_infinities(threads):
+    """The greedy path takes max(dim)'s index on CPU (faster than argmax): the same first index
+    of tied maxima, a NaN's where a row has one, whatever the row length, stride or threads."""
+    gen = torch.Generator().manual_seed(0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for trial in range(400):
+            rows, vocab = int(torch.randint(1, 40, (), generator=gen)), int(torch.randint(1, 3000, (), generator=gen))
+            x = torch.randn(rows, vocab, generator=gen)
+            if trial % 4 == 1:  # few distinct values: many ties, some over a thread's share
+                x = torch.randint(0, 3, (rows, vocab), generator=gen).float()
+            elif trial % 4 == 2:
+                x[torch.rand(rows, vocab, generator=gen) < 0.01] = float("nan")
+            elif trial % 4 == 3:
+                x[torch.rand(rows, vocab, generator=gen) < 0.05] = float("inf")
+                x[torch.rand(rows, vocab, generator=gen) < 0.3] = -float("inf")
+            if trial % 5 == 0:
+                x = x[:, : max(1, vocab // 2)]  # rows with a stride
+            assert torch.equal(greedy_tokens(x), x.argmax(dim=-1)), trial
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_seeded_stream_does_not_depend_on_batch():
