@@ -1,4 +1,5 @@
-"""The suite's own rules: a missing reference package skips locally and fails under CI."""
+"""The suite's own rules: a missing reference package skips locally and fails under CI; CI runs
+the README's command; rank scripts write whole lines."""
 
 import pytest
 from _pytest.outcomes import Failed, Skipped
@@ -34,3 +35,22 @@ def test_ci_runs_the_readme_test_command_verbatim():
     assert " -rs " in ci_lines[-1] and "'.[test]'" in ci_lines[-1]
     assert ".venv/bin/ruff check . && " in ci_lines[-1]  # the lint runs before the suite, in CI too
     assert any(line.startswith('export CI="${CI:-1}"') for line in ci_lines)  # missing references fail
+
+
+def print_calls(source: str) -> list[int]:
+    """Lines of `source` that call print()."""
+    import ast
+    return [node.lineno for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print"]
+
+
+def test_rank_scripts_write_whole_lines():
+    """The ranks of one launch share its stdout, and the harness runs them with
+    PYTHONUNBUFFERED, where print() writes its text and its newline apart: two ranks' lines ran
+    together once (CI, the srun test). So the rank scripts write each line in one call."""
+    from launch import REPO
+
+    assert print_calls("print('a', 1)\nsys.stdout.write('b\\n')\n") == [1]  # the check sees a print
+    offenders = {path.name: lines for path in sorted((REPO / "tests" / "helpers" / "dist_scripts").glob("*.py"))
+                 if (lines := print_calls(path.read_text()))}
+    assert not offenders, f"print() in rank scripts (write whole lines with sys.stdout.write): {offenders}"
