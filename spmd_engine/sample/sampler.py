@@ -211,8 +211,8 @@ def logprob_entries(logits: torch.Tensor, tokens: torch.Tensor, counts: list[int
 
 def greedy_tokens(x: torch.Tensor) -> torch.Tensor:
     """Each row's argmax. On CPU through max(dim), which returns the same index (the first of
-    tied maxima, a NaN's if any) in a vectorised loop: torch's CPU argmax walks the row one
-    element at a time, slower than a whole decoder layer's norms at a 32k vocabulary
+    tied maxima, a NaN's if any) in about a third of the time: over decode's 32k-vocabulary
+    logits torch's CPU argmax cost more than a decoder layer's two norms
     (tests/unit/sample/test_sampler.py holds the two equal; docs/performance.md the cost)."""
     if x.is_cpu:
         return x.max(dim=-1).indices
