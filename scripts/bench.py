@@ -709,8 +709,9 @@ _COMPILE_CHILD = r"""
 import json, sys, time
 t = time.perf_counter()
 from spmd_engine import LLM
+eager = sys.argv[3] == "eager"
 llm = LLM(model=sys.argv[1], dtype=sys.argv[2], max_model_len=128, max_num_seqs=32,
-          distributed_executor_backend="uni", enforce_eager=sys.argv[3] == "eager")
+          distributed_executor_backend="uni", enforce_eager=eager, compilation_config=0 if eager else 3)
 up = time.perf_counter() - t
 print(json.dumps({"startup_s": up, "compile_s": llm.get_stats()[0]["runner"]["compile_seconds"]}))
 llm.shutdown()
@@ -735,6 +736,8 @@ def fig_compile(args) -> None:
     import torch
 
     from spmd_engine import LLM
+    from spmd_engine.config import CompilationConfig
+    defaults = CompilationConfig()
     model_dir = random_llama(args)
     new = 16 if args.quick else 64
     work = [("decode_b8", prompts_for(8, 32, LLAMA_SHAPE["vocab_size"]), new),
@@ -762,26 +765,28 @@ def fig_compile(args) -> None:
             emit(f"compile_{name}_tokens_per_s_{dtype}", v, b, v / b, "tokens/s",
                  ratio_is="compiled (default) / enforce_eager, same run; target >= 1.0 (never slower)",
                  requests=len(prompts), new_tokens=n, reps=args.reps, threads=torch.get_num_threads(),
-                 min_tokens=16, compiled_steps="steps of >= 16 tokens (B=8 decode steps run eager in both)",
-                 loadavg_1m=loadavg())
+                 min_tokens=defaults.min_tokens, layers_per_graph=defaults.layers_per_graph,
+                 compiled_steps=f"steps of >= {defaults.min_tokens} tokens", loadavg_1m=loadavg())
+    startup_dtype = "bfloat16"  # compiled by default (in fp32 only on request)
     cache = tempfile.mkdtemp(prefix="spmd_bench_inductor_")
     try:
         eager, cold, warm = [], [], []
         for i in range(1 if args.quick else 3):
-            eager.append(compile_startup(model_dir, "float32", "eager", cache)["startup_s"])
+            eager.append(compile_startup(model_dir, startup_dtype, "eager", cache)["startup_s"])
             if i == 0:
-                cold.append(compile_startup(model_dir, "float32", "compiled", cache))
-            warm.append(compile_startup(model_dir, "float32", "compiled", cache))
+                cold.append(compile_startup(model_dir, startup_dtype, "compiled", cache))
+            warm.append(compile_startup(model_dir, startup_dtype, "compiled", cache))
     finally:
         shutil.rmtree(cache, ignore_errors=True)
     e = statistics.median(eager)
     emit("compile_first_start_compile_s", cold[0]["compile_s"], cold[0]["startup_s"], cold[0]["compile_s"] / cold[0]["startup_s"], "s",
          ratio_is="compile seconds (empty inductor cache) / that whole start-up, for information",
-         startup_eager_s=round(e, 3))
+         startup_eager_s=round(e, 3), dtype=startup_dtype)
     w = statistics.median(x["startup_s"] for x in warm)
     emit("compile_warm_startup_s", w, e, w / e, "s",
          ratio_is="start-up (import + LLM()) compiled on a warm inductor cache / eager; target <= 1.3",
-         warm_compile_s=round(statistics.median(x["compile_s"] for x in warm), 3), loadavg_1m=loadavg())
+         warm_compile_s=round(statistics.median(x["compile_s"] for x in warm), 3), dtype=startup_dtype,
+         loadavg_1m=loadavg())
 
 
 # ---------------------------------------------------------------- startup

@@ -301,15 +301,18 @@ class CompilationConfig:
 
     `level` (vLLM's name; its newer `mode` is the same number): 0 runs the model eager; 1, 2
     and 3 (vLLM's stock torch.compile, dynamo-once and its own backend) all mean the decoder
-    layers through torch.compile, one graph per model. None: 3, unless enforce_eager. Resolved
-    by EngineArgs (batch-invariant mode and MoE models run eager). `min_tokens` (ours): steps
-    with fewer tokens run eager, where the compiled graph's fixed cost exceeds its gain.
-    `cache_dir` (vLLM's name): inductor's on-disk cache, TORCHINDUCTOR_CACHE_DIR when unset.
+    layers through torch.compile, one or two graphs per model. None: 3, unless enforce_eager.
+    Resolved by EngineArgs (batch-invariant mode and MoE models run eager). `min_tokens` (ours):
+    steps with fewer tokens run eager, where the compiled graph's fixed cost exceeds its gain.
+    `layers_per_graph` (ours): decoder layers per graph call; more is faster per step (fewer
+    graph entries) and slower to trace at start-up. `cache_dir` (vLLM's name): inductor's
+    on-disk cache, TORCHINDUCTOR_CACHE_DIR when unset.
     """
 
     level: int | None = None
     backend: str = "inductor"  # torch.compile's backend; "aot_eager" / "eager" to debug a graph
-    min_tokens: int = 16
+    min_tokens: int = 2
+    layers_per_graph: int = 8
     cache_dir: str | None = None
     ignored: tuple = ()  # vLLM keys given that have no effect here
 
@@ -320,6 +323,7 @@ class CompilationConfig:
             raise ConfigError(f"compilation_config backend {self.backend!r} is not one of "
                               f"{', '.join(COMPILATION_BACKENDS)}")
         _check_positive("compilation_config min_tokens", self.min_tokens)
+        _check_positive("compilation_config layers_per_graph", self.layers_per_graph)
 
     @property
     def compiled(self) -> bool:
@@ -349,7 +353,7 @@ class CompilationConfig:
             raise ConfigError(f"compilation_config gives level={values['level']!r} and mode={values['mode']!r}")
         if "mode" in values:
             values["level"] = values.pop("mode")
-        ours = {"level", "backend", "min_tokens", "cache_dir"}
+        ours = {"level", "backend", "min_tokens", "layers_per_graph", "cache_dir"}
         unknown = sorted(k for k in values if k not in ours and k not in VLLM_COMPILATION_KEYS_IGNORED)
         if unknown:
             raise ConfigError(f"compilation_config: unknown key(s) {', '.join(map(repr, unknown))} "

@@ -1,11 +1,16 @@
 """The compiled forward (vLLM's `enforce_eager=False`): decoder layers through torch.compile.
 
-What is compiled is one decoder layer's forward ("regional" compilation): every layer of a
-model runs the same code on its own weights, so dynamo traces it once and inductor's C++
-backend fuses the work between the matmuls (RMSNorm with its residual add, rotary, the
-SwiGLU product, splits and casts) into a few loops; all layers then share that one graph
-(the first layer gets a zero residual: x + 0 == x). The embedding,
-rotary cos/sin, the final norm, the LM head and sampling stay eager.
+What is compiled is a run of up to `layers_per_graph` consecutive decoder layers (a "chunk"):
+every layer of a model runs the same code on its own weights, so dynamo traces one chunk and
+inductor's C++ backend fuses the work between the matmuls (RMSNorm with its residual add,
+rotary, the SwiGLU product, splits and casts, and across a layer boundary the residual add into
+the next norm) into a few loops. Every chunk of the same length then shares that graph: the
+layers are cut into chunks of as equal length as can be, so a model has one or two graphs
+whatever its depth, and compiling costs one chunk's tracing however deep the model is (the
+first layer gets a zero residual: x + 0 == x). A chunk rather than one layer per graph because
+each entry into a graph has a fixed cost (dynamo's frame and guards, the wrapper), and at
+decode sizes eight of them a step cost more than the fusion gained (docs/performance.md). The
+embedding, rotary cos/sin, the final norm, the LM head and sampling stay eager.
 
 Three things inside a layer are opaque to the compiler, each a custom op with a shape-only
 ("fake") implementation, so the graph has no break in it:
@@ -16,11 +21,9 @@ Three things inside a layer are opaque to the compiler, each a custom op with a 
     packed tensor, and traced, a packed weight looks like a plain one;
   - `spmd_engine::all_reduce`: the TP sum over our shared-memory path (distributed/), never
     traced: the group is looked up by a number fixed at set-up.
-A step's token count N varies: the layer's inputs are marked dynamic along it, so one graph
-serves every N >= 2. Steps of fewer than `min_tokens` tokens run eager: on the CPUs measured
-the graph's fixed cost (guards, wrapper, the opaque ops' dispatch) eats the fusion's gain at
-decode batches of 1-8 (docs/performance.md has the figures), while prefills and larger
-batches gain.
+A step's token count N varies: the chunk's inputs are marked dynamic along it, so one graph
+serves every N >= 2. Steps of fewer than `min_tokens` tokens run eager (N = 1 would need a
+graph of its own: dynamo specialises a size of 1).
 
 Each model gets its own copy of the compiled function's code object, so dynamo's cache is
 per model: two models in one process (tests, an RL trainer beside its engine) never share a
@@ -46,7 +49,9 @@ import torch
 logger = logging.getLogger("spmd_engine")
 
 # Steps with fewer tokens than this run eager by default (measured, docs/performance.md).
-DEFAULT_MIN_TOKENS = 16
+DEFAULT_MIN_TOKENS = 2
+# Decoder layers per compiled graph by default (measured, docs/performance.md).
+DEFAULT_LAYERS_PER_GRAPH = 8
 
 _forward_attn = None  # this step's AttentionMetadata while a compiled forward runs
 
@@ -129,8 +134,25 @@ def _all_reduce_fake(x, group):
     return torch.empty_like(x)
 
 
-def _layer_step(layer, cos, sin, hidden, residual):
-    return layer((cos, sin), hidden, residual, COMPILED)
+def _chunk_step(layers, cos, sin, hidden, residual):
+    for layer in layers:  # unrolled by dynamo: one graph for the chunk's length
+        hidden, residual = layer((cos, sin), hidden, residual, COMPILED)
+    return hidden, residual
+
+
+def chunks(layers: list, layers_per_graph: int) -> list[tuple]:
+    """`layers` cut into the fewest runs of at most `layers_per_graph`, of as equal length as can
+    be (two lengths at most, so two graphs at most)."""
+    if not layers:
+        return []
+    count = -(-len(layers) // max(1, layers_per_graph))
+    base, longer = divmod(len(layers), count)
+    out, at = [], 0
+    for i in range(count):
+        size = base + (i < longer)
+        out.append(tuple(layers[at:at + size]))
+        at += size
+    return out
 
 
 def _skip_module_guards(entries):
@@ -138,16 +160,17 @@ def _skip_module_guards(entries):
 
 
 class CompiledLayers:
-    """One model's compiled layer step: `run(layers, rope, hidden, residual, attn)`."""
+    """One model's compiled decoder layers: `run(rope, hidden, residual, attn)`."""
 
     def __init__(self, model, backend: str = "inductor", mode: str | None = None,
-                 min_tokens: int = DEFAULT_MIN_TOKENS):
+                 min_tokens: int = DEFAULT_MIN_TOKENS, layers_per_graph: int = DEFAULT_LAYERS_PER_GRAPH):
         from spmd_engine.model.layers.linear import RowParallelLinear
         for module in model.modules():
             if isinstance(module, RowParallelLinear) and module.tp_size > 1:
                 module.compile_group = register_group(module.group)
-        self.code = _layer_step.__code__.replace()  # this model's own dynamo cache
-        step = types.FunctionType(self.code, _layer_step.__globals__, "_layer_step")
+        self.chunks = chunks(list(model.model.layers.values()), layers_per_graph)
+        self.code = _chunk_step.__code__.replace()  # this model's own dynamo cache
+        step = types.FunctionType(self.code, _chunk_step.__globals__, "_chunk_step")
         options = {"guard_filter_fn": _skip_module_guards}
         kwargs = {"mode": mode} if mode and backend == "inductor" else {}
         self.fn = torch.compile(step, backend=backend, fullgraph=True, dynamic=None, options=options, **kwargs)
@@ -161,13 +184,13 @@ class CompiledLayers:
     def applies(self, num_tokens: int) -> bool:
         return num_tokens >= self.min_tokens
 
-    def run(self, layers, rope, hidden, residual, attn):
+    def run(self, rope, hidden, residual, attn):
         if residual is None:  # the first stage's first layer: one graph for all (x + 0 == x)
             residual, hidden = hidden, torch.zeros_like(hidden)
         cos, sin = rope
         for t in (cos, sin, hidden, residual):
             torch._dynamo.maybe_mark_dynamic(t, 0)
         with forward_context(attn):
-            for layer in layers:
-                hidden, residual = self.fn(layer, cos, sin, hidden, residual)
+            for chunk in self.chunks:
+                hidden, residual = self.fn(chunk, cos, sin, hidden, residual)
         return hidden, residual

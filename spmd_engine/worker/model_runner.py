@@ -66,7 +66,8 @@ class ModelRunner:
         if cc.compiled:
             if cc.cache_dir:
                 os.environ["TORCHINDUCTOR_CACHE_DIR"] = cc.cache_dir
-            self.model.compile_layers(backend=cc.backend, min_tokens=cc.min_tokens)
+            self.model.compile_layers(backend=cc.backend, min_tokens=cc.min_tokens,
+                                     layers_per_graph=cc.layers_per_graph)
 
     def load_weights(self, weights) -> set[str]:
         """In-place update from (HF name, full tensor) pairs: `CausalLM.update_weights`."""

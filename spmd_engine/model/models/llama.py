@@ -216,7 +216,7 @@ class CausalLM(CausalLMWeights, nn.Module):
         rope = self.model.rotary_emb.cos_sin(positions, hidden.dtype)
         compiled = self.compiled_layers
         if compiled is not None and attn is not None and compiled.applies(attn.num_tokens):
-            hidden, residual = compiled.run(self.model.layers.values(), rope, hidden, residual, attn)
+            hidden, residual = compiled.run(rope, hidden, residual, attn)
         else:
             for layer in self.model.layers.values():
                 hidden, residual = layer(rope, hidden, residual, attn)

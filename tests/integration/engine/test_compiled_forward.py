@@ -77,6 +77,20 @@ def test_compiled_greedy_equals_eager_one_graph_and_the_log_line(tiny, caplog):
         assert stats["compiled_graphs"] == 1, stats
 
 
+@pytest.mark.timeout(180)
+def test_chunks_of_layers_share_one_graph_and_equal_eager(tiny):
+    """The tiny model's 4 layers as two chunks of 2 (layers_per_graph 3 cuts 4 into 2 + 2):
+    the second chunk's layers run through the first chunk's graph, with their own weights."""
+    with LLM(model=str(tiny), enforce_eager=True) as llm:
+        want = greedy(llm, BATCHES[1:3])
+    config = {**COMPILED["compilation_config"], "layers_per_graph": 3}
+    with LLM(model=str(tiny), enforce_eager=False, compilation_config=config) as llm:
+        compiled = llm.llm_engine.model_executor.driver_worker.model_runner.model.compiled_layers
+        assert [len(chunk) for chunk in compiled.chunks] == [2, 2]
+        assert greedy(llm, BATCHES[1:3]) == want
+        assert runner_stats(llm)["compiled_graphs"] == 1
+
+
 @pytest.mark.timeout(120)
 def test_enforce_eager_and_level_0_do_not_compile(tiny):
     from torch._dynamo.utils import counters

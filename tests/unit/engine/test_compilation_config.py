@@ -26,14 +26,27 @@ def test_vllm_forms_parse(value, level):
 
 def test_ours_and_vllms_ignored_keys():
     cc = CompilationConfig.parse({"level": 3, "min_tokens": 4, "cudagraph_capture_sizes": [1, 2],
-                                  "backend": "aot_eager", "cache_dir": "/tmp/x"})
-    assert (cc.min_tokens, cc.backend, cc.cache_dir, cc.ignored) == (4, "aot_eager", "/tmp/x",
-                                                                     ("cudagraph_capture_sizes",))
+                                  "backend": "aot_eager", "cache_dir": "/tmp/x", "layers_per_graph": 3})
+    assert (cc.min_tokens, cc.backend, cc.cache_dir, cc.layers_per_graph, cc.ignored) == (
+        4, "aot_eager", "/tmp/x", 3, ("cudagraph_capture_sizes",))
+    assert (CompilationConfig().min_tokens, CompilationConfig().layers_per_graph) == (2, 8)
+
+
+@pytest.mark.parametrize("layers, per_graph, lengths", [
+    (8, 8, [8]), (8, 1, [1] * 8), (2, 8, [2]), (9, 8, [5, 4]), (28, 8, [7, 7, 7, 7]),
+    (22, 8, [8, 7, 7]), (80, 8, [8] * 10), (1, 3, [1]), (0, 8, [])])
+def test_layers_are_cut_into_chunks_of_at_most_two_lengths(layers, per_graph, lengths):
+    """Each chunk length is one graph: any depth compiles one or two, never one per remainder."""
+    from spmd_engine.model.compilation import chunks
+    cut = chunks(list(range(layers)), per_graph)
+    assert [len(c) for c in cut] == lengths
+    assert [x for c in cut for x in c] == list(range(layers))  # every layer once, in order
 
 
 @pytest.mark.parametrize("value, match", [(5, "0, 1, 2 or 3"), (True, "a level"), ("x3", "neither"),
                                           ({"levle": 3}, "unknown key"), ({"level": 1, "mode": 3}, "gives"),
                                           ({"backend": "tvm"}, "backend"), ({"min_tokens": 0}, "min_tokens"),
+                                          ({"layers_per_graph": 0}, "layers_per_graph"),
                                           ([3], "a level")])
 def test_bad_values_are_config_errors(value, match):
     with pytest.raises(ConfigError, match=match):
