@@ -152,9 +152,9 @@ def resolve_compilation(enforce_eager: bool | None, compilation_config, model_co
                         device: str, dtype=None) -> CompilationConfig:
     """The level the workers use: enforce_eager (or SPMD_ENGINE_ENFORCE_EAGER=1) means 0;
     otherwise the level asked for, by default 3 on CPU in bf16/fp16, where the fused
-    elementwise work pays (1.05-1.22x forward, docs/performance.md); fp32 on CPU measured no
-    gain (0.97-1.03x) for a slower start, and CUDA is not measured (no CUDA graphs): those
-    compile by request only. Batch-invariant mode and MoE models run eager, said in one log line."""
+    elementwise work pays (engine decode B=8 1.17x, prefill 1.69x, docs/performance.md); fp32
+    on CPU measured about as fast at decode (1.03x) for a slower start, and CUDA is not
+    measured (no CUDA graphs): those compile by request only. Batch-invariant mode and MoE models run eager, said in one log line."""
     from dataclasses import replace
     compilation = CompilationConfig.parse(compilation_config)
     if compilation.ignored:
@@ -169,7 +169,7 @@ def resolve_compilation(enforce_eager: bool | None, compilation_config, model_co
         half = dtype in (torch.bfloat16, torch.float16)
         level = 3 if device == "cpu" and half else 0
         if level == 0:
-            why = "not measured there" if device != "cpu" else "float32 measured no faster compiled"
+            why = "not measured there" if device != "cpu" else "float32 decode measured about as fast compiled"
             logger.info("compiled forward: off by default on %s (%s); compilation_config=3 turns it on",
                         device, why)
     else:

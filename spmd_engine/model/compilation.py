@@ -93,8 +93,17 @@ def _attention(q, k, v, k_cache, v_cache, scale):
 
 
 def _linear(x, weight, bias):
-    from spmd_engine.model.layers.packed_weights import linear
-    return linear(x, weight, bias)
+    from spmd_engine.model.layers.packed_weights import eager_linear
+    global _linear_impl
+    _linear_impl = eager_linear  # no import or check on the next calls: 4 a layer, each counts
+    return eager_linear(x, weight, bias)
+
+
+def _call_linear(x, weight, bias):
+    return _linear_impl(x, weight, bias)
+
+
+_linear_impl = _linear
 
 
 _groups: dict[int, weakref.ref] = {}
@@ -115,7 +124,7 @@ def _all_reduce(x, group):
     return _groups[group]().all_reduce(x.clone())
 
 
-for _name, _fn in (("attention", _attention), ("linear", _linear), ("all_reduce", _all_reduce)):
+for _name, _fn in (("attention", _attention), ("linear", _call_linear), ("all_reduce", _all_reduce)):
     _lib.impl(_name, _fn, "CompositeExplicitAutograd")
 
 

@@ -245,9 +245,11 @@ class ModelRunner:
             for key in ("hidden_states", "residual")}
         self.model.forward(ids, attn.positions, attn, intermediate)
         self.compile_seconds = time.perf_counter() - t
-        logger.info("compiled forward: %d decoder layers through torch.compile (%s) in %.2f s, steps of "
-                    ">= %d tokens (inductor cache %s)", len(self.model.model.layers),
-                    self.config.compilation_config.backend, self.compile_seconds, n, cache_dir())
+        chunk_lengths = sorted({len(c) for c in self.model.compiled_layers.chunks}, reverse=True)
+        logger.info("compiled forward: %d decoder layers through torch.compile (%s), graphs of %s layers, "
+                    "in %.2f s, steps of >= %d tokens (inductor cache %s)", len(self.model.model.layers),
+                    self.config.compilation_config.backend, " and ".join(map(str, chunk_lengths)),
+                    self.compile_seconds, n, cache_dir())
 
     def _prepare_inputs(self, out: SchedulerOutput):
         from spmd_engine.model.layers.attention import AttentionMetadata

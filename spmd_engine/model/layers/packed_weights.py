@@ -36,6 +36,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         # Traced, a packed weight looks like a plain one (is_mkldnn is False on fake tensors) and
         # inductor cannot read its storage: an opaque op that decides when it runs.
         return torch.ops.spmd_engine.linear(x, weight, bias)
+    return eager_linear(x, weight, bias)
+
+
+def eager_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`linear` when not tracing: also the body of the compiled graph's spmd_engine::linear op."""
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
