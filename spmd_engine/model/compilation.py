@@ -46,6 +46,8 @@ import weakref
 
 import torch
 
+from spmd_engine.model import precompiled
+
 logger = logging.getLogger("spmd_engine")
 
 # Steps with fewer tokens than this run eager by default (measured, docs/performance.md).
@@ -169,7 +171,11 @@ def _skip_module_guards(entries):
 
 
 class CompiledLayers:
-    """One model's compiled decoder layers: `run(rope, hidden, residual, attn)`."""
+    """One model's compiled decoder layers: `run(rope, hidden, residual, attn)`.
+
+    With inductor each chunk length's graph is built ahead of time (torch's aot_compile) and
+    kept on disk (precompiled.py), so a later process loads it without tracing; other backends
+    (and inductor with its caches forced off) go through dynamo at every start."""
 
     def __init__(self, model, backend: str = "inductor", mode: str | None = None,
                  min_tokens: int = DEFAULT_MIN_TOKENS, layers_per_graph: int = DEFAULT_LAYERS_PER_GRAPH):
@@ -177,16 +183,24 @@ class CompiledLayers:
         for module in model.modules():
             if isinstance(module, RowParallelLinear) and module.tp_size > 1:
                 module.compile_group = register_group(module.group)
+        self.model_ref = weakref.ref(model)
+        self.backend, self.mode = backend, mode
         self.chunks = chunks(list(model.model.layers.values()), layers_per_graph)
         self.code = _chunk_step.__code__.replace()  # this model's own dynamo cache
         step = types.FunctionType(self.code, _chunk_step.__globals__, "_chunk_step")
-        options = {"guard_filter_fn": _skip_module_guards}
+        self.ahead = precompiled.applies(backend)
+        options = {"guard_filter_fn": _savable_guards if self.ahead else _skip_module_guards}
         kwargs = {"mode": mode} if mode and backend == "inductor" else {}
         self.fn = torch.compile(step, backend=backend, fullgraph=True, dynamic=None, options=options, **kwargs)
         self.min_tokens = max(2, int(min_tokens))
+        self.built: dict[int, object] = {}  # chunk length -> its AOT-compiled function
+        self.loaded: list[str] = []  # files the built functions came from (the rest were traced)
+        self.refused = 0  # calls whose inputs the saved guards refused (run eager)
 
     def graphs(self) -> int:
-        """How many graphs dynamo holds for this model (1 when nothing recompiled)."""
+        """How many graphs this model holds (1 or 2 when nothing recompiled)."""
+        if self.ahead:
+            return len(self.built)
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list
         return len(_debug_get_cache_entry_list(self.code))
 
@@ -197,9 +211,47 @@ class CompiledLayers:
         if residual is None:  # the first stage's first layer: one graph for all (x + 0 == x)
             residual, hidden = hidden, torch.zeros_like(hidden)
         cos, sin = rope
-        for t in (cos, sin, hidden, residual):
-            torch._dynamo.maybe_mark_dynamic(t, 0)
         with forward_context(attn):
+            if not self.ahead:
+                for t in (cos, sin, hidden, residual):
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
+                for chunk in self.chunks:
+                    hidden, residual = self.fn(chunk, cos, sin, hidden, residual)
+                return hidden, residual
             for chunk in self.chunks:
-                hidden, residual = self.fn(chunk, cos, sin, hidden, residual)
+                args = (chunk, cos, sin, hidden, residual)
+                fn = self.built.get(len(chunk)) or self._build(args)
+                if fn.guard_check(*args):
+                    hidden, residual = fn(*args)
+                else:
+                    hidden, residual = self._eager(args, attn)
         return hidden, residual
+
+    def _build(self, args):
+        """The chunk length's function: from disk, or traced now and saved."""
+        chunk = args[0]
+        path = precompiled.path_for(precompiled.digest(self.model_ref(), len(chunk), self.backend, self.mode))
+        fn = precompiled.load(path, _chunk_step.__globals__)
+        if fn is not None:
+            self.loaded.append(str(path))
+        else:
+            for t in args[1:]:
+                torch._dynamo.mark_dynamic(t, 0)
+            fn = precompiled.compile_and_save(self.fn, args, path)
+        fn.disable_guard_check()  # checked in run(), where a refusal falls back to eager
+        self.built[len(chunk)] = fn
+        return fn
+
+    def _eager(self, args, attn):
+        if not self.refused:
+            logger.warning("compiled forward: a step's inputs do not fit the compiled graph (%d tokens); "
+                           "running its layers eager", args[3].shape[0])
+        self.refused += 1
+        chunk, cos, sin, hidden, residual = args
+        for layer in chunk:
+            hidden, residual = layer((cos, sin), hidden, residual, attn)
+        return hidden, residual
+
+
+def _savable_guards(entries):
+    return precompiled.savable_guards(entries, _skip_module_guards(entries))

@@ -245,10 +245,12 @@ class ModelRunner:
             for key in ("hidden_states", "residual")}
         self.model.forward(ids, attn.positions, attn, intermediate)
         self.compile_seconds = time.perf_counter() - t
-        chunk_lengths = sorted({len(c) for c in self.model.compiled_layers.chunks}, reverse=True)
-        logger.info("compiled forward: %d decoder layers through torch.compile (%s), graphs of %s layers, "
+        compiled = self.model.compiled_layers
+        chunk_lengths = sorted({len(c) for c in compiled.chunks}, reverse=True)
+        source = f"{len(compiled.loaded)} of {compiled.graphs()} loaded, not traced" if compiled.ahead else "traced"
+        logger.info("compiled forward: %d decoder layers through torch.compile (%s), graphs of %s layers (%s), "
                     "in %.2f s, steps of >= %d tokens (inductor cache %s)", len(self.model.model.layers),
-                    self.config.compilation_config.backend, " and ".join(map(str, chunk_lengths)),
+                    self.config.compilation_config.backend, " and ".join(map(str, chunk_lengths)), source,
                     self.compile_seconds, n, cache_dir())
 
     def _prepare_inputs(self, out: SchedulerOutput):
@@ -299,7 +301,9 @@ class ModelRunner:
         compiled = self.model.compiled_layers if self.model is not None else None
         return dict(self.stats, num_blocks=self.num_blocks, block_size=self.block_size,
                     compile_seconds=self.compile_seconds,
-                    compiled_graphs=compiled.graphs() if compiled is not None else 0)
+                    compiled_graphs=compiled.graphs() if compiled is not None else 0,
+                    compiled_graphs_loaded=len(compiled.loaded) if compiled is not None else 0,
+                    compiled_calls_refused=compiled.refused if compiled is not None else 0)
 
 
 def _zeros(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -1,0 +1,144 @@
+"""Compiled chunks saved to disk and loaded by the next process (model/precompiled.py, issue 23).
+
+A warm start loads the graph instead of tracing it; that is only sound if the loaded graph is
+checked as a traced one would be, so each test here ends with the tokens of an eager engine.
+The cross-process test is the one that matters: a graph loaded in the process that traced it
+finds dynamo's leftovers in the module's globals, one loaded in a fresh process does not (a
+guard on such a leftover once refused every call there, silently running eager).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from spmd_engine import LLM, SamplingParams
+from spmd_engine.model import precompiled
+from tests.helpers.engine_helpers import make_tiny_checkpoint
+
+CONFIG = {"level": 3, "min_tokens": 2}
+PROMPTS = [[(7 * i + 13 * j) % 297 + 3 for j in range(5 + 9 * i)] for i in range(3)]
+
+_CHILD = r"""
+import json, sys
+from spmd_engine import LLM, SamplingParams
+with LLM(model=sys.argv[1], enforce_eager=False, compilation_config={"level": 3, "min_tokens": 2}) as llm:
+    outs = llm.generate(json.loads(sys.argv[2]), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+                        use_tqdm=False)
+    stats = llm.get_stats()[0]["runner"]
+sys.stdout.write(json.dumps({"tokens": [o.outputs[0].token_ids for o in outs], "stats": stats}) + "\n")
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("precompiled") / "tiny")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty inductor cache of the test's own (mp workers and children inherit it)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    return tmp_path / "inductor"
+
+
+def greedy(llm: LLM) -> list[list[int]]:
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
+
+
+def eager_tokens(tiny) -> list[list[int]]:
+    with LLM(model=str(tiny), enforce_eager=True) as llm:
+        return greedy(llm)
+
+
+def saved(cache) -> list:
+    return sorted((cache / precompiled.FOLDER).glob("*.bin"))
+
+
+def child(tiny, env_cache) -> dict:
+    import os
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(env_cache))
+    proc = subprocess.run([sys.executable, "-c", _CHILD, str(tiny), json.dumps(PROMPTS)], env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(300)
+def test_a_fresh_process_loads_the_saved_graph_and_equals_eager(tiny, cache):
+    want = eager_tokens(tiny)
+    first = child(tiny, cache)
+    assert first["stats"]["compiled_graphs_loaded"] == 0 and len(saved(cache)) == 1
+    second = child(tiny, cache)
+    assert second["stats"]["compiled_graphs_loaded"] == 1, second["stats"]
+    assert second["stats"]["compiled_calls_refused"] == 0, second["stats"]  # the graph ran every step
+    assert first["tokens"] == second["tokens"] == want
+
+
+@pytest.mark.timeout(240)
+def test_an_unreadable_saved_graph_is_compiled_again_and_replaced(tiny, cache, caplog):
+    want = eager_tokens(tiny)
+    with LLM(model=str(tiny), enforce_eager=False, compilation_config=CONFIG) as llm:
+        assert greedy(llm) == want
+    (path,) = saved(cache)
+    path.write_bytes(b"not a compiled function")
+    with caplog.at_level(logging.WARNING, logger="spmd_engine"):
+        llm = LLM(model=str(tiny), enforce_eager=False, compilation_config=CONFIG)
+    with llm:
+        assert any("cannot load" in r.getMessage() for r in caplog.records)
+        stats = llm.get_stats()[0]["runner"]
+        assert (stats["compiled_graphs_loaded"], stats["compiled_graphs"]) == (0, 1)
+        assert greedy(llm) == want
+    assert path.read_bytes() != b"not a compiled function"
+    with LLM(model=str(tiny), enforce_eager=False, compilation_config=CONFIG) as llm:
+        assert llm.get_stats()[0]["runner"]["compiled_graphs_loaded"] == 1  # the replacement loads
+        assert greedy(llm) == want
+
+
+def _model(tiny, dtype=torch.float32):
+    from spmd_engine.model.loader import load_model
+    from spmd_engine.model.solo import SoloGroup
+    model = load_model(tiny, SoloGroup(), SoloGroup(), dtype=dtype)
+    model.allocate_kv_cache(8, 16)
+    return model
+
+
+@pytest.mark.timeout(240)
+@torch.inference_mode()
+def test_inputs_the_saved_guards_refuse_run_eager(tiny, cache):
+    """One token (the graph serves N >= 2) through the compiled layers directly: refused by the
+    guards, it runs eager, with eager's bits, and is counted."""
+    from spmd_engine.model.layers.attention import AttentionMetadata
+    model = _model(tiny)
+    model.compile_layers(min_tokens=2)
+    compiled = model.compiled_layers
+    attn = AttentionMetadata.build([0], [3], [[0]], 16, "cpu")
+    model.forward(torch.tensor([5, 6, 7]), attn.positions, attn)  # builds the graph (N = 3)
+    assert compiled.refused == 0 and compiled.graphs() == 1
+    attn = AttentionMetadata.build([3], [1], [[0]], 16, "cpu")
+    h = model.model.embed_tokens(torch.tensor([8]))
+    rope = model.model.rotary_emb.cos_sin(attn.positions, h.dtype)
+    got = compiled.run(rope, h, None, attn)
+    assert compiled.refused == 1
+    model.compiled_layers = None
+    hidden, residual = h, None
+    for layer in model.model.layers.values():
+        hidden, residual = layer(rope, hidden, residual, attn)
+    assert torch.equal(got[0], hidden) and torch.equal(got[1], residual)
+
+
+def test_the_file_name_changes_with_what_decides_the_graph(tiny):
+    fp32, bf16 = _model(tiny), _model(tiny, torch.bfloat16)
+    key = precompiled.digest(fp32, 4, "inductor", None)
+    assert key == precompiled.digest(_model(tiny), 4, "inductor", None)  # the same facts, the same file
+    others = {precompiled.digest(bf16, 4, "inductor", None), precompiled.digest(fp32, 2, "inductor", None),
+              precompiled.digest(fp32, 4, "inductor", "max-autotune")}
+    other_shape = _model(make_tiny_checkpoint(tiny.parent / "wider", hidden_size=128))
+    others.add(precompiled.digest(other_shape, 4, "inductor", None))
+    assert key not in others and len(others) == 4
