@@ -28,9 +28,10 @@ graph of its own: dynamo specialises a size of 1).
 Each model gets its own copy of the compiled function's code object, so dynamo's cache is
 per model: two models in one process (tests, an RL trainer beside its engine) never share a
 graph, and within a model guards on the layer modules are skipped (every compiled layer is
-built alike; weights are inputs, only their values change). Compile once per process; the
-inductor cache (TORCHINDUCTOR_CACHE_DIR, or compilation_config's cache_dir) makes the next
-process's compile a lookup.
+built alike; weights are inputs, only their values change). Compile once per process; with
+inductor each chunk length's compiled function is saved in inductor's cache directory
+(TORCHINDUCTOR_CACHE_DIR, or compilation_config's cache_dir) and the next process loads it
+without tracing (precompiled.py).
 
 Not compiled, by design: batch-invariant mode (its kernels fix every reduction order and
 inductor would choose its own: eager keeps it bitwise exact), MoE layers (data-dependent
@@ -95,17 +96,10 @@ def _attention(q, k, v, k_cache, v_cache, scale):
 
 
 def _linear(x, weight, bias):
+    # Not packed_weights.linear, whose is_compiling check costs a few us of the op's 4 calls
+    # a layer. Imported here: the layers import this module.
     from spmd_engine.model.layers.packed_weights import eager_linear
-    global _linear_impl
-    _linear_impl = eager_linear  # no import or check on the next calls: 4 a layer, each counts
     return eager_linear(x, weight, bias)
-
-
-def _call_linear(x, weight, bias):
-    return _linear_impl(x, weight, bias)
-
-
-_linear_impl = _linear
 
 
 _groups: dict[int, weakref.ref] = {}
@@ -126,7 +120,7 @@ def _all_reduce(x, group):
     return _groups[group]().all_reduce(x.clone())
 
 
-for _name, _fn in (("attention", _attention), ("linear", _call_linear), ("all_reduce", _all_reduce)):
+for _name, _fn in (("attention", _attention), ("linear", _linear), ("all_reduce", _all_reduce)):
     _lib.impl(_name, _fn, "CompositeExplicitAutograd")
 
 
