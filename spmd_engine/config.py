@@ -311,7 +311,7 @@ class CompilationConfig:
 
     level: int | None = None
     backend: str = "inductor"  # torch.compile's backend; "aot_eager" / "eager" to debug a graph
-    min_tokens: int = 2
+    min_tokens: int = 1
     layers_per_graph: int = 8
     cache_dir: str | None = None
     ignored: tuple = ()  # vLLM keys given that have no effect here

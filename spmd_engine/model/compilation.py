@@ -22,8 +22,8 @@ Three things inside a layer are opaque to the compiler, each a custom op with a 
   - `spmd_engine::all_reduce`: the TP sum over our shared-memory path (distributed/), never
     traced: the group is looked up by a number fixed at set-up.
 A step's token count N varies: the chunk's inputs are marked dynamic along it, so one graph
-serves every N >= 2. Steps of fewer than `min_tokens` tokens run eager (N = 1 would need a
-graph of its own: dynamo specialises a size of 1).
+serves every N >= 2; one token (a single request's decode) gets a graph of its own, since
+dynamo specialises a size of 1. Steps of fewer than `min_tokens` tokens run eager.
 
 Each model gets its own copy of the compiled function's code object, so dynamo's cache is
 per model: two models in one process (tests, an RL trainer beside its engine) never share a
@@ -52,7 +52,7 @@ from spmd_engine.model import precompiled
 logger = logging.getLogger("spmd_engine")
 
 # Steps with fewer tokens than this run eager by default (measured, docs/performance.md).
-DEFAULT_MIN_TOKENS = 2
+DEFAULT_MIN_TOKENS = 1
 # Decoder layers per compiled graph by default (measured, docs/performance.md).
 DEFAULT_LAYERS_PER_GRAPH = 8
 
@@ -186,13 +186,14 @@ class CompiledLayers:
         options = {"guard_filter_fn": _savable_guards if self.ahead else _skip_module_guards}
         kwargs = {"mode": mode} if mode and backend == "inductor" else {}
         self.fn = torch.compile(step, backend=backend, fullgraph=True, dynamic=None, options=options, **kwargs)
-        self.min_tokens = max(2, int(min_tokens))
-        self.built: dict[int, object] = {}  # chunk length -> its AOT-compiled function
+        self.min_tokens = max(1, int(min_tokens))
+        self.built: dict[tuple[int, bool], object] = {}  # (chunk length, one token?) -> its function
         self.loaded: list[str] = []  # files the built functions came from (the rest were traced)
         self.refused = 0  # calls whose inputs the saved guards refused (run eager)
 
     def graphs(self) -> int:
-        """How many graphs this model holds (1 or 2 when nothing recompiled)."""
+        """How many graphs this model holds: one per chunk length, and another per chunk
+        length for one-token steps (so 1 to 4 when nothing recompiled)."""
         if self.ahead:
             return len(self.built)
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list
@@ -200,6 +201,10 @@ class CompiledLayers:
 
     def applies(self, num_tokens: int) -> bool:
         return num_tokens >= self.min_tokens
+
+    def warm_up_sizes(self) -> list[int]:
+        """Token counts of the start-up steps that build every graph later steps use."""
+        return [1, 2] if self.min_tokens == 1 else [self.min_tokens]
 
     def run(self, rope, hidden, residual, attn):
         if residual is None:  # the first stage's first layer: one graph for all (x + 0 == x)
@@ -212,28 +217,32 @@ class CompiledLayers:
                 for chunk in self.chunks:
                     hidden, residual = self.fn(chunk, cos, sin, hidden, residual)
                 return hidden, residual
+            single = hidden.shape[0] == 1
             for chunk in self.chunks:
                 args = (chunk, cos, sin, hidden, residual)
-                fn = self.built.get(len(chunk)) or self._build(args)
+                fn = self.built.get((len(chunk), single)) or self._build(args, single)
                 if fn.guard_check(*args):
                     hidden, residual = fn(*args)
                 else:
                     hidden, residual = self._eager(args, attn)
         return hidden, residual
 
-    def _build(self, args):
-        """The chunk length's function: from disk, or traced now and saved."""
+    def _build(self, args, single: bool):
+        """The function for this chunk length (and for one token, or any other count): from
+        disk, or traced now and saved."""
         chunk = args[0]
-        path = precompiled.path_for(precompiled.digest(self.model_ref(), len(chunk), self.backend, self.mode))
+        key = precompiled.digest(self.model_ref(), len(chunk), self.backend, self.mode, single)
+        path = precompiled.path_for(key)
         fn = precompiled.load(path, _chunk_step.__globals__)
         if fn is not None:
             self.loaded.append(str(path))
         else:
-            for t in args[1:]:
-                torch._dynamo.mark_dynamic(t, 0)
+            if not single:
+                for t in args[1:]:
+                    torch._dynamo.mark_dynamic(t, 0)
             fn = precompiled.compile_and_save(self.fn, args, path)
         fn.disable_guard_check()  # checked in run(), where a refusal falls back to eager
-        self.built[len(chunk)] = fn
+        self.built[len(chunk), single] = fn
         return fn
 
     def _eager(self, args, attn):

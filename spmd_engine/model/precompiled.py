@@ -8,7 +8,8 @@ seconds (docs/performance.md). torch can save what dynamo and inductor made of a
 A saved graph carries no guards on the code it came from (those cannot be saved), so a file's
 name is a digest of everything that decides the graph: torch's and Python's versions, the CPU's
 instruction set, the source of spmd_engine/model, the model's shape facts, dtype, device, TP
-size and group numbers, which weights are packed, the chunk's length, backend and mode. Any
+size and group numbers, which weights are packed, the chunk's length (and whether the graph
+is the one-token one), backend and mode. Any
 change is another file. A file that cannot be read is compiled afresh and replaced; files are
 written to a temporary name and renamed, so TP ranks saving the same chunk at once cannot
 corrupt it. What is kept are the guards on the inputs (dtypes, shapes: N >= 2 along the token
@@ -60,15 +61,16 @@ def _source_digest() -> str:
     return h.hexdigest()
 
 
-def digest(model, chunk_length: int, backend: str, mode: str | None) -> str:
-    """What decides a chunk's graph, hashed (the module docstring lists it)."""
+def digest(model, chunk_length: int, backend: str, mode: str | None, single: bool = False) -> str:
+    """What decides a chunk's graph, hashed (the module docstring lists it); `single`: the graph
+    of one-token steps."""
     from spmd_engine.model.layers.linear import RowParallelLinear
     first = next(iter(model.model.layers.values()))
     packed = tuple(m.weight.is_mkldnn for m in first.modules() if getattr(m, "packable_weight", False))
     groups = tuple(getattr(m, "compile_group", None) for m in model.modules() if isinstance(m, RowParallelLinear))
     facts = (torch.__version__, sys.version, platform.machine(), torch.backends.cpu.get_cpu_capability(),
              _source_digest(), repr(model.spec), str(model.dtype), model.device.type,
-             model.tp_group.world_size, groups, packed, chunk_length, backend, mode)
+             model.tp_group.world_size, groups, packed, chunk_length, backend, mode, single)
     return hashlib.sha256(repr(facts).encode()).hexdigest()[:32]
 
 

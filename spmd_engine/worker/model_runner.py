@@ -228,24 +228,26 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _compile(self) -> None:
-        """Compile at start-up, once per process: one forward of `min_tokens` dummy tokens (a
-        fresh prompt writing nothing to the cache) traces the layer graph that every later step
-        of at least that many tokens reuses; the time goes to the log and get_stats."""
+        """Compile at start-up, once per process: forwards of dummy tokens (a fresh prompt writing
+        nothing to the cache), one token and two (or `min_tokens`), build the graphs every later
+        step reuses; the time goes to the log and get_stats."""
         from torch._inductor.runtime.cache_dir_utils import cache_dir
 
         from spmd_engine.model.layers.attention import AttentionMetadata
-        n = self.model.compiled_layers.min_tokens
-        t = time.perf_counter()
-        attn = AttentionMetadata.build([0], [n], [[0] * -(-n // self.block_size)], self.block_size, self.device)
-        attn.slot_mapping = None
-        first = self.pp_group.is_first_rank
-        ids = torch.zeros(n, dtype=torch.long, device=self.device) if first else None
-        intermediate = None if first else {
-            key: torch.zeros(n, self.model.spec.hidden_size, dtype=self.model.dtype, device=self.device)
-            for key in ("hidden_states", "residual")}
-        self.model.forward(ids, attn.positions, attn, intermediate)
-        self.compile_seconds = time.perf_counter() - t
         compiled = self.model.compiled_layers
+        t = time.perf_counter()
+        for n in compiled.warm_up_sizes():
+            attn = AttentionMetadata.build([0], [n], [[0] * -(-n // self.block_size)], self.block_size,
+                                           self.device)
+            attn.slot_mapping = None
+            first = self.pp_group.is_first_rank
+            ids = torch.zeros(n, dtype=torch.long, device=self.device) if first else None
+            intermediate = None if first else {
+                key: torch.zeros(n, self.model.spec.hidden_size, dtype=self.model.dtype, device=self.device)
+                for key in ("hidden_states", "residual")}
+            self.model.forward(ids, attn.positions, attn, intermediate)
+        self.compile_seconds = time.perf_counter() - t
+        n = compiled.min_tokens
         chunk_lengths = sorted({len(c) for c in compiled.chunks}, reverse=True)
         source = f"{len(compiled.loaded)} of {compiled.graphs()} loaded, not traced" if compiled.ahead else "traced"
         logger.info("compiled forward: %d decoder layers through torch.compile (%s), graphs of %s layers (%s), "

@@ -91,6 +91,20 @@ def test_chunks_of_layers_share_one_graph_and_equal_eager(tiny):
         assert runner_stats(llm)["compiled_graphs"] == 1
 
 
+@pytest.mark.timeout(180)
+def test_one_token_steps_have_a_graph_of_their_own(tiny):
+    """The default min_tokens (1): a single request's decode steps (one token each) run through
+    a second graph, built at start-up with the first; nothing recompiles or falls back later."""
+    with LLM(model=str(tiny), enforce_eager=True) as llm:
+        want = greedy(llm, BATCHES[:2])
+    with LLM(model=str(tiny), enforce_eager=False, compilation_config={"level": 3}) as llm:
+        compiled = llm.llm_engine.model_executor.driver_worker.model_runner.model.compiled_layers
+        assert sorted(compiled.built) == [(4, False), (4, True)]  # both at start-up
+        assert greedy(llm, BATCHES[:2]) == want  # BATCHES[0] is one request: one-token steps
+        stats = runner_stats(llm)
+        assert (stats["compiled_graphs"], stats["compiled_calls_refused"]) == (2, 0), stats
+
+
 @pytest.mark.timeout(120)
 def test_enforce_eager_and_level_0_do_not_compile(tiny):
     from torch._dynamo.utils import counters

@@ -112,8 +112,9 @@ def _model(tiny, dtype=torch.float32):
 @pytest.mark.timeout(240)
 @torch.inference_mode()
 def test_inputs_the_saved_guards_refuse_run_eager(tiny, cache):
-    """One token (the graph serves N >= 2) through the compiled layers directly: refused by the
-    guards, it runs eager, with eager's bits, and is counted."""
+    """A hidden state with other strides than the graph was built for (a view of every other
+    column), through the compiled layers directly: refused by the guards, it runs eager, with
+    eager's bits, and is counted."""
     from spmd_engine.model.layers.attention import AttentionMetadata
     model = _model(tiny)
     model.compile_layers(min_tokens=2)
@@ -121,13 +122,15 @@ def test_inputs_the_saved_guards_refuse_run_eager(tiny, cache):
     attn = AttentionMetadata.build([0], [3], [[0]], 16, "cpu")
     model.forward(torch.tensor([5, 6, 7]), attn.positions, attn)  # builds the graph (N = 3)
     assert compiled.refused == 0 and compiled.graphs() == 1
-    attn = AttentionMetadata.build([3], [1], [[0]], 16, "cpu")
-    h = model.model.embed_tokens(torch.tensor([8]))
+    attn = AttentionMetadata.build([3], [2], [[0]], 16, "cpu")
+    dense = model.model.embed_tokens(torch.tensor([8, 9]))
+    h = torch.zeros(2, 2 * dense.shape[1], dtype=dense.dtype)[:, ::2]
+    h.copy_(dense)
     rope = model.model.rotary_emb.cos_sin(attn.positions, h.dtype)
     got = compiled.run(rope, h, None, attn)
-    assert compiled.refused == 1
+    assert compiled.refused == 1 and compiled.graphs() == 1
     model.compiled_layers = None
-    hidden, residual = h, None
+    hidden, residual = dense, None
     for layer in model.model.layers.values():
         hidden, residual = layer(rope, hidden, residual, attn)
     assert torch.equal(got[0], hidden) and torch.equal(got[1], residual)
@@ -138,7 +141,8 @@ def test_the_file_name_changes_with_what_decides_the_graph(tiny):
     key = precompiled.digest(fp32, 4, "inductor", None)
     assert key == precompiled.digest(_model(tiny), 4, "inductor", None)  # the same facts, the same file
     others = {precompiled.digest(bf16, 4, "inductor", None), precompiled.digest(fp32, 2, "inductor", None),
-              precompiled.digest(fp32, 4, "inductor", "max-autotune")}
+              precompiled.digest(fp32, 4, "inductor", "max-autotune"),
+              precompiled.digest(fp32, 4, "inductor", None, single=True)}
     other_shape = _model(make_tiny_checkpoint(tiny.parent / "wider", hidden_size=128))
     others.add(precompiled.digest(other_shape, 4, "inductor", None))
-    assert key not in others and len(others) == 4
+    assert key not in others and len(others) == 5

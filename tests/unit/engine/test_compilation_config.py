@@ -29,7 +29,7 @@ def test_ours_and_vllms_ignored_keys():
                                   "backend": "aot_eager", "cache_dir": "/tmp/x", "layers_per_graph": 3})
     assert (cc.min_tokens, cc.backend, cc.cache_dir, cc.layers_per_graph, cc.ignored) == (
         4, "aot_eager", "/tmp/x", 3, ("cudagraph_capture_sizes",))
-    assert (CompilationConfig().min_tokens, CompilationConfig().layers_per_graph) == (2, 8)
+    assert (CompilationConfig().min_tokens, CompilationConfig().layers_per_graph) == (1, 8)
 
 
 @pytest.mark.parametrize("layers, per_graph, lengths", [
