@@ -728,7 +728,7 @@ def compile_startup(model_dir: str, dtype: str, mode: str, cache_dir: str) -> di
 
 
 def fig_compile(args) -> None:
-    """The compiled forward against eager, same run: tokens/s of decode B=8 and B=32 and of a
+    """The compiled forward against eager, same run: tokens/s of decode B=1, 8 and 32 and of a
     prefill-bound batch (8 prompts x 256 tokens, 4 new), fp32 and bf16, two engines (mp, one
     worker each) timed call by call in turns; then start-up (a fresh process: import + LLM()) eager, compiled with
     an empty inductor cache (its compile seconds beside) and compiled again on that warm cache."""
@@ -741,7 +741,8 @@ def fig_compile(args) -> None:
     defaults = CompilationConfig()
     model_dir = random_llama(args)
     new = 16 if args.quick else 64
-    work = [("decode_b8", prompts_for(8, 32, LLAMA_SHAPE["vocab_size"]), new),
+    work = [("decode_b1", prompts_for(1, 32, LLAMA_SHAPE["vocab_size"]), new),
+            ("decode_b8", prompts_for(8, 32, LLAMA_SHAPE["vocab_size"]), new),
             ("decode_b32", prompts_for(32, 32, LLAMA_SHAPE["vocab_size"]), new),
             ("prefill_8x256", prompts_for(8, 256, LLAMA_SHAPE["vocab_size"]), 4)]
     for dtype in ("float32", "bfloat16"):
