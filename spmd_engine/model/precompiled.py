@@ -9,11 +9,11 @@ A saved graph carries no guards on the code it came from (those cannot be saved)
 name is a digest of everything that decides the graph: torch's and Python's versions, the CPU's
 instruction set, the source of spmd_engine/model, the model's shape facts, dtype, device, TP
 size and group numbers, which weights are packed, the chunk's length (and whether the graph
-is the one-token one), backend and mode. Any
-change is another file. A file that cannot be read is compiled afresh and replaced; files are
-written to a temporary name and renamed, so TP ranks saving the same chunk at once cannot
-corrupt it. What is kept are the guards on the inputs (dtypes, shapes: N >= 2 along the token
-axis, the chunk's length), checked before every call: a call they refuse runs eager.
+is the one-token one), backend and mode. Any change is another file. A file that cannot be read
+is compiled afresh and replaced; files are written to a temporary name and renamed, so TP ranks
+saving the same chunk at once cannot corrupt it. What is kept are the guards on the inputs
+(dtypes, strides, the token count: N >= 2, or exactly 1 for the one-token graph; the chunk's
+length), checked before every call: a call they refuse runs eager.
 
 A file is a pickle: whoever can write the inductor cache directory can run code in the engine,
 as with inductor's own cached kernels there (docs/security.md).
