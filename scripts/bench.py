@@ -999,7 +999,7 @@ def fig_sampling(args) -> None:
 
 
 def fig_greedy_tokens(args, threads: int, device: str) -> None:
-    """The sampler's greedy choice (greedy_tokens: max(dim)'s index on CPU) against torch's
+    """The sampler's greedy choice (greedy_tokens: chunked amax on CPU) against torch's
     argmax, at decode's batch sizes over a 32k vocabulary, fp32 logits as the sampler sees them."""
     import torch
 

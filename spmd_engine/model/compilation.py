@@ -139,9 +139,12 @@ def _all_reduce_fake(x, group):
     return torch.empty_like(x)
 
 
-def _chunk_step(layers, cos, sin, hidden, residual):
+def _chunk_step(layers, cos, sin, hidden, residual, decode):
+    # decode: a DecodeStep's tensors as a plain tuple (a saved graph cannot guard on a class),
+    # and the layers trace attention; None: the opaque op reads forward_context.
+    attn = COMPILED if decode is None else decode
     for layer in layers:  # unrolled by dynamo: one graph for the chunk's length
-        hidden, residual = layer((cos, sin), hidden, residual, COMPILED)
+        hidden, residual = layer((cos, sin), hidden, residual, attn)
     return hidden, residual
 
 
@@ -187,62 +190,75 @@ class CompiledLayers:
         kwargs = {"mode": mode} if mode and backend == "inductor" else {}
         self.fn = torch.compile(step, backend=backend, fullgraph=True, dynamic=None, options=options, **kwargs)
         self.min_tokens = max(1, int(min_tokens))
-        self.built: dict[tuple[int, bool], object] = {}  # (chunk length, one token?) -> its function
+        self.built: dict[tuple[int, bool, bool], object] = {}  # (chunk length, one token?, decode?) -> function
         self.loaded: list[str] = []  # files the built functions came from (the rest were traced)
         self.refused = 0  # calls whose inputs the saved guards refused (run eager)
 
     def graphs(self) -> int:
-        """How many graphs this model holds: one per chunk length, and another per chunk
-        length for one-token steps (so 1 to 4 when nothing recompiled)."""
+        """How many graphs this model holds: per chunk length, one for general steps of 2 or more
+        tokens and one each for decode steps of one token and of more (so 3 or 6 when nothing
+        recompiled)."""
         if self.ahead:
             return len(self.built)
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list
         return len(_debug_get_cache_entry_list(self.code))
 
-    def applies(self, num_tokens: int) -> bool:
-        return num_tokens >= self.min_tokens
+    def applies(self, attn) -> bool:
+        """Whether this step runs compiled: enough tokens, and not a one-token step other than
+        a decode (a lone one-token prompt, a DP wave's dummy step: rare, and a graph each)."""
+        if attn.num_tokens < self.min_tokens:
+            return False
+        return attn.num_tokens > 1 or attn.decode_step() is not None
 
-    def warm_up_sizes(self) -> list[int]:
-        """Token counts of the start-up steps that build every graph later steps use."""
-        return [1, 2] if self.min_tokens == 1 else [self.min_tokens]
+    def warm_up_steps(self) -> list[tuple[int, bool]]:
+        """(token count, decode?) of the start-up steps that build every graph later steps use."""
+        n = max(2, self.min_tokens)
+        return ([(1, True)] if self.min_tokens == 1 else []) + [(n, True), (n, False)]
 
     def run(self, rope, hidden, residual, attn):
         if residual is None:  # the first stage's first layer: one graph for all (x + 0 == x)
             residual, hidden = hidden, torch.zeros_like(hidden)
         cos, sin = rope
+        decode = attn.decode_step()
+        decode = None if decode is None else tuple(decode)
         with forward_context(attn):
             if not self.ahead:
-                for t in (cos, sin, hidden, residual):
+                for t in (cos, sin, hidden, residual, *(decode or ())):
                     torch._dynamo.maybe_mark_dynamic(t, 0)
+                if decode is not None:
+                    torch._dynamo.maybe_mark_dynamic(decode[1], 1)  # the block tables
                 for chunk in self.chunks:
-                    hidden, residual = self.fn(chunk, cos, sin, hidden, residual)
+                    hidden, residual = self.fn(chunk, cos, sin, hidden, residual, decode)
                 return hidden, residual
-            single = hidden.shape[0] == 1
+            kind = (hidden.shape[0] == 1, decode is not None)
             for chunk in self.chunks:
-                args = (chunk, cos, sin, hidden, residual)
-                fn = self.built.get((len(chunk), single)) or self._build(args, single)
+                args = (chunk, cos, sin, hidden, residual, decode)
+                fn = self.built.get((len(chunk), *kind)) or self._build(args, *kind)
                 if fn.guard_check(*args):
                     hidden, residual = fn(*args)
                 else:
                     hidden, residual = self._eager(args, attn)
         return hidden, residual
 
-    def _build(self, args, single: bool):
-        """The function for this chunk length (and for one token, or any other count): from
-        disk, or traced now and saved."""
+    def _build(self, args, single: bool, decode: bool):
+        """The function for this chunk length and kind (one token or more, decode or general):
+        from disk, or traced now and saved."""
         chunk = args[0]
-        key = precompiled.digest(self.model_ref(), len(chunk), self.backend, self.mode, single)
+        key = precompiled.digest(self.model_ref(), len(chunk), self.backend, self.mode, single, decode)
         path = precompiled.path_for(key)
         fn = precompiled.load(path, _chunk_step.__globals__)
         if fn is not None:
             self.loaded.append(str(path))
         else:
+            step = args[5]
             if not single:
-                for t in args[1:]:
+                for t in (*args[1:5], *(step or ())):
                     torch._dynamo.mark_dynamic(t, 0)
+            if step is not None:
+                torch._dynamo.mark_dynamic(step[1], 1)  # the block tables: any context length
             fn = precompiled.compile_and_save(self.fn, args, path)
         fn.disable_guard_check()  # checked in run(), where a refusal falls back to eager
-        self.built[len(chunk), single] = fn
+        self.built[len(chunk), single, decode] = fn
         return fn
 
     def _eager(self, args, attn):
@@ -250,7 +266,7 @@ class CompiledLayers:
             logger.warning("compiled forward: a step's inputs do not fit the compiled graph (%d tokens); "
                            "running its layers eager", args[3].shape[0])
         self.refused += 1
-        chunk, cos, sin, hidden, residual = args
+        chunk, cos, sin, hidden, residual, _ = args
         for layer in chunk:
             hidden, residual = layer((cos, sin), hidden, residual, attn)
         return hidden, residual

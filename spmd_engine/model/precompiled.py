@@ -61,16 +61,17 @@ def _source_digest() -> str:
     return h.hexdigest()
 
 
-def digest(model, chunk_length: int, backend: str, mode: str | None, single: bool = False) -> str:
+def digest(model, chunk_length: int, backend: str, mode: str | None, single: bool = False,
+           decode: bool = False) -> str:
     """What decides a chunk's graph, hashed (the module docstring lists it); `single`: the graph
-    of one-token steps."""
+    of one-token steps; `decode`: of decode-shaped steps (attention traced)."""
     from spmd_engine.model.layers.linear import RowParallelLinear
     first = next(iter(model.model.layers.values()))
     packed = tuple(m.weight.is_mkldnn for m in first.modules() if getattr(m, "packable_weight", False))
     groups = tuple(getattr(m, "compile_group", None) for m in model.modules() if isinstance(m, RowParallelLinear))
     facts = (torch.__version__, sys.version, platform.machine(), torch.backends.cpu.get_cpu_capability(),
              _source_digest(), repr(model.spec), str(model.dtype), model.device.type,
-             model.tp_group.world_size, groups, packed, chunk_length, backend, mode, single)
+             model.tp_group.world_size, groups, packed, chunk_length, backend, mode, single, decode)
     return hashlib.sha256(repr(facts).encode()).hexdigest()[:32]
 
 

@@ -228,24 +228,32 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _compile(self) -> None:
-        """Compile at start-up, once per process: forwards of dummy tokens (a fresh prompt writing
-        nothing to the cache), one token and two (or `min_tokens`), build the graphs every later
-        step reuses; the time goes to the log and get_stats."""
+        """Compile at start-up, once per process: forwards of dummy tokens build the graphs every
+        later step reuses (compilation.CompiledLayers.warm_up_steps): fresh prompts that write
+        nothing, and decodes that write into block 0, zeroed again afterwards (no request holds
+        a block yet). The time goes to the log and get_stats."""
         from torch._inductor.runtime.cache_dir_utils import cache_dir
 
         from spmd_engine.model.layers.attention import AttentionMetadata
         compiled = self.model.compiled_layers
         t = time.perf_counter()
-        for n in compiled.warm_up_sizes():
-            attn = AttentionMetadata.build([0], [n], [[0] * -(-n // self.block_size)], self.block_size,
-                                           self.device)
-            attn.slot_mapping = None
+        bs = self.block_size
+        for n, decode in compiled.warm_up_steps():
+            if decode:  # n requests with a few tokens cached in block 0, one new token each
+                attn = AttentionMetadata.build([1 + i % bs for i in range(n)], [1] * n, [[0, 0]] * n, bs,
+                                               self.device)
+            else:
+                attn = AttentionMetadata.build([0], [n], [[0] * -(-n // bs)], bs, self.device)
+                attn.slot_mapping = None
             first = self.pp_group.is_first_rank
             ids = torch.zeros(n, dtype=torch.long, device=self.device) if first else None
             intermediate = None if first else {
                 key: torch.zeros(n, self.model.spec.hidden_size, dtype=self.model.dtype, device=self.device)
                 for key in ("hidden_states", "residual")}
             self.model.forward(ids, attn.positions, attn, intermediate)
+        for layer in self.model._attention_layers():
+            layer.k_cache[0].zero_()
+            layer.v_cache[0].zero_()
         self.compile_seconds = time.perf_counter() - t
         n = compiled.min_tokens
         chunk_lengths = sorted({len(c) for c in compiled.chunks}, reverse=True)

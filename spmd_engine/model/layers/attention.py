@@ -24,7 +24,7 @@ and a decode token, all meet one recipe.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -83,6 +83,16 @@ class InvariantTiles:
         return self._plans[group]
 
 
+class DecodeStep(NamedTuple):
+    """A decode-shaped step's metadata as tensors, for the compiled forward to trace attention
+    (decode_attention) instead of calling the opaque op: every request has one new token and a
+    cache to read. Tensors, not Python numbers, so one graph serves any batch and context."""
+
+    slots: torch.Tensor  # [N] cache slot of each token's K/V
+    block_tables: torch.Tensor  # [N, nb] blocks each token reads, nb >= 2 (padding: block 0, masked)
+    seq_lens: torch.Tensor  # [N] keys each token sees (its position + 1)
+
+
 @dataclass
 class AttentionMetadata:
     """What every layer needs to write and read the cache in one step; built once per step.
@@ -100,6 +110,25 @@ class AttentionMetadata:
     row_start: list[int]  # where each request's tokens start in the packed step, by scheduler row
     query_lens: list[int]
     tiles: InvariantTiles | None = None  # batch-invariant mode: the one attention recipe
+    _decode: list = field(default_factory=list, repr=False, compare=False)
+
+    def decode_step(self) -> DecodeStep | None:
+        """This step as a DecodeStep if it is decode-shaped (one cached group of one-token rows,
+        writing its K/V), else None; built once per step."""
+        if not self._decode:
+            self._decode.append(self._decode_step())
+        return self._decode[0]
+
+    def _decode_step(self) -> DecodeStep | None:
+        if self.tiles is not None or self.slot_mapping is None or len(self.groups) != 1:
+            return None
+        g = self.groups[0]
+        if g.block_tables is None or g.width != 1:
+            return None
+        tables = g.block_tables
+        if tables.shape[1] < 2:  # a size of 1 would be its own graph (dynamo specialises it)
+            tables = torch.cat([tables, torch.zeros_like(tables)], dim=1)
+        return DecodeStep(self.slot_mapping, tables, self.positions + 1)
 
     @classmethod
     def build(cls, context_lens: Sequence[int], query_lens: Sequence[int],
@@ -221,6 +250,8 @@ class Attention(nn.Module):
             return self._causal(q, k, v).reshape(B, T, self.num_heads * self.head_dim)
         if self.k_cache is None:
             raise RuntimeError("KV cache not allocated: the model runner allocates it before the first step")
+        if isinstance(attn, tuple):  # a DecodeStep's tensors, traced into the compiled graph
+            return decode_attention(q, k, v, self.k_cache, self.v_cache, attn, self.scale)
         if attn is compilation.COMPILED:  # traced: the metadata comes through forward_context
             return torch.ops.spmd_engine.attention(q, k, v, self.k_cache, self.v_cache, self.scale)
         return paged_attention(q, k, v, self.k_cache, self.v_cache, attn, self.scale)
@@ -249,6 +280,31 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             for g in attn.groups]
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out.reshape(attn.num_tokens, heads * D)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, step: tuple, scale: float) -> torch.Tensor:
+    """paged_attention for a decode-shaped step, written for inductor to trace: the cache write,
+    then per token a dot product with each key it sees, a softmax and a weighted sum of values,
+    all in float32, the gather from the cache folded into the loads (no copy of the keys).
+    Eager this is slower than SDPA; compiled it is a few fused loops where the opaque op cost
+    about 200 us a layer in Python, dispatch and SDPA's fixed work (docs/performance.md).
+    q [N, heads, D], k and v [N, kv_heads, D], `step` a DecodeStep or its tuple of tensors;
+    returns [N, heads * D]."""
+    slots, block_tables, seq_lens = step
+    N, heads, D = q.shape
+    kv, block_size, nb = k.shape[1], k_cache.shape[1], block_tables.shape[1]
+    k_cache.view(-1, kv, D).index_copy_(0, slots, k)
+    v_cache.view(-1, kv, D).index_copy_(0, slots, v)
+    L = nb * block_size
+    keys = k_cache[block_tables].view(N, L, kv, D).permute(0, 2, 1, 3).unsqueeze(2)  # [N, kv, 1, L, D]
+    values = v_cache[block_tables].view(N, L, kv, D).permute(0, 2, 1, 3).unsqueeze(2)
+    # The query heads sharing a KV head side by side (the order SDPA's enable_gqa uses).
+    scores = (q.view(N, kv, heads // kv, 1, D).float() * keys.float()).sum(-1) * scale  # [N, kv, group, L]
+    seen = torch.arange(L, device=q.device).view(1, 1, 1, L) < seq_lens.view(N, 1, 1, 1)
+    p = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1)
+    out = (p.unsqueeze(-1) * values.float()).sum(-2)  # [N, kv, group, D]
+    return out.reshape(N, heads * D).to(q.dtype)
 
 
 def _attend(q, k, v, g: RowGroup, k_cache, v_cache, scale) -> torch.Tensor:

@@ -215,7 +215,7 @@ class CausalLM(CausalLMWeights, nn.Module):
             hidden, residual = intermediate["hidden_states"], intermediate["residual"]
         rope = self.model.rotary_emb.cos_sin(positions, hidden.dtype)
         compiled = self.compiled_layers
-        if compiled is not None and attn is not None and compiled.applies(attn.num_tokens):
+        if compiled is not None and attn is not None and compiled.applies(attn):
             hidden, residual = compiled.run(rope, hidden, residual, attn)
         else:
             for layer in self.model.layers.values():

@@ -1,8 +1,9 @@
 """The compiled forward (issue 23; vLLM's enforce_eager=False): decoder layers through torch.compile.
 
 The suite runs eager (tests/conftest.py sets SPMD_ENGINE_ENFORCE_EAGER=1); these tests ask for
-the compiled forward explicitly, on a tiny model, with `min_tokens=2` so decode steps of a
-few requests go through the graph too (the default, 16, leaves small decodes eager). One
+the compiled forward explicitly, on a tiny model, most with `min_tokens=2` (one graph fewer
+to build than the default, 1). Decode-shaped steps (one new token per request, all cached)
+run a graph of their own, with attention traced (attention.decode_attention). One
 inductor cache for the module, removed afterwards: the first engine compiles, the others
 find its kernels. References: the same engine eager, token for token; dynamo's own cache
 entries for the recompile bound.
@@ -73,8 +74,9 @@ def test_compiled_greedy_equals_eager_one_graph_and_the_log_line(tiny, caplog):
         assert greedy(llm, BATCHES) == want
         stats = runner_stats(llm)
         assert stats["compile_seconds"] > 0
-        # Token counts 1..~130 over the run: one graph (dynamic N), no recompile (N=1 runs eager).
-        assert stats["compiled_graphs"] == 1, stats
+        # Token counts 1..~130 over the run: two graphs (dynamic N), general steps and decode steps
+        # (attention traced), no recompile (N=1 runs eager).
+        assert stats["compiled_graphs"] == 2, stats
 
 
 @pytest.mark.timeout(180)
@@ -88,21 +90,22 @@ def test_chunks_of_layers_share_one_graph_and_equal_eager(tiny):
         compiled = llm.llm_engine.model_executor.driver_worker.model_runner.model.compiled_layers
         assert [len(chunk) for chunk in compiled.chunks] == [2, 2]
         assert greedy(llm, BATCHES[1:3]) == want
-        assert runner_stats(llm)["compiled_graphs"] == 1
+        assert runner_stats(llm)["compiled_graphs"] == 2  # general and decode, chunk length 2
 
 
 @pytest.mark.timeout(180)
 def test_one_token_steps_have_a_graph_of_their_own(tiny):
     """The default min_tokens (1): a single request's decode steps (one token each) run through
-    a second graph, built at start-up with the first; nothing recompiles or falls back later."""
+    a graph of their own, built at start-up with the general and the decode graph; nothing
+    recompiles or falls back later."""
     with LLM(model=str(tiny), enforce_eager=True) as llm:
         want = greedy(llm, BATCHES[:2])
     with LLM(model=str(tiny), enforce_eager=False, compilation_config={"level": 3}) as llm:
         compiled = llm.llm_engine.model_executor.driver_worker.model_runner.model.compiled_layers
-        assert sorted(compiled.built) == [(4, False), (4, True)]  # both at start-up
+        assert sorted(compiled.built) == [(4, False, False), (4, False, True), (4, True, True)]  # at start-up
         assert greedy(llm, BATCHES[:2]) == want  # BATCHES[0] is one request: one-token steps
         stats = runner_stats(llm)
-        assert (stats["compiled_graphs"], stats["compiled_calls_refused"]) == (2, 0), stats
+        assert (stats["compiled_graphs"], stats["compiled_calls_refused"]) == (3, 0), stats
 
 
 @pytest.mark.timeout(120)
@@ -137,7 +140,7 @@ def test_mp_tp2_compiled_equals_eager(tiny):
     with LLM(**tp2, **COMPILED) as llm:
         assert greedy(llm, BATCHES[1:3]) == want
         stats = runner_stats(llm)
-        assert stats["compiled_graphs"] == 1 and stats["compile_seconds"] > 0, stats
+        assert stats["compiled_graphs"] == 2 and stats["compile_seconds"] > 0, stats
 
 
 @pytest.mark.timeout(180)
@@ -149,7 +152,7 @@ def test_mp_pp2_compiled_equals_eager(tiny):
              **COMPILED) as llm:
         assert greedy(llm, BATCHES[2:]) == want
         stats = runner_stats(llm)  # the last stage's runner
-        assert stats["compiled_graphs"] == 1 and stats["compile_seconds"] > 0, stats
+        assert stats["compiled_graphs"] == 2 and stats["compile_seconds"] > 0, stats
 
 
 @pytest.mark.timeout(180)
@@ -167,4 +170,4 @@ def test_weights_swapped_under_the_graph_are_read(tiny, tmp_path):
         model.load_weights(load_file(str(other / "model.safetensors")).items())
         llm.wake_up()
         assert greedy(llm, BATCHES[1:3]) == want
-        assert runner_stats(llm)["compiled_graphs"] == 1
+        assert runner_stats(llm)["compiled_graphs"] == 2

@@ -74,9 +74,10 @@ def child(tiny, env_cache) -> dict:
 def test_a_fresh_process_loads_the_saved_graph_and_equals_eager(tiny, cache):
     want = eager_tokens(tiny)
     first = child(tiny, cache)
-    assert first["stats"]["compiled_graphs_loaded"] == 0 and len(saved(cache)) == 1
+    # Two graphs (min_tokens 2): general steps, and decode steps with their attention traced.
+    assert first["stats"]["compiled_graphs_loaded"] == 0 and len(saved(cache)) == 2
     second = child(tiny, cache)
-    assert second["stats"]["compiled_graphs_loaded"] == 1, second["stats"]
+    assert second["stats"]["compiled_graphs_loaded"] == 2, second["stats"]
     assert second["stats"]["compiled_calls_refused"] == 0, second["stats"]  # the graph ran every step
     assert first["tokens"] == second["tokens"] == want
 
@@ -86,18 +87,18 @@ def test_an_unreadable_saved_graph_is_compiled_again_and_replaced(tiny, cache, c
     want = eager_tokens(tiny)
     with LLM(model=str(tiny), enforce_eager=False, compilation_config=CONFIG) as llm:
         assert greedy(llm) == want
-    (path,) = saved(cache)
+    path = saved(cache)[0]
     path.write_bytes(b"not a compiled function")
     with caplog.at_level(logging.WARNING, logger="spmd_engine"):
         llm = LLM(model=str(tiny), enforce_eager=False, compilation_config=CONFIG)
     with llm:
         assert any("cannot load" in r.getMessage() for r in caplog.records)
         stats = llm.get_stats()[0]["runner"]
-        assert (stats["compiled_graphs_loaded"], stats["compiled_graphs"]) == (0, 1)
+        assert (stats["compiled_graphs_loaded"], stats["compiled_graphs"]) == (1, 2)
         assert greedy(llm) == want
     assert path.read_bytes() != b"not a compiled function"
     with LLM(model=str(tiny), enforce_eager=False, compilation_config=CONFIG) as llm:
-        assert llm.get_stats()[0]["runner"]["compiled_graphs_loaded"] == 1  # the replacement loads
+        assert llm.get_stats()[0]["runner"]["compiled_graphs_loaded"] == 2  # the replacement loads
         assert greedy(llm) == want
 
 
@@ -142,7 +143,8 @@ def test_the_file_name_changes_with_what_decides_the_graph(tiny):
     assert key == precompiled.digest(_model(tiny), 4, "inductor", None)  # the same facts, the same file
     others = {precompiled.digest(bf16, 4, "inductor", None), precompiled.digest(fp32, 2, "inductor", None),
               precompiled.digest(fp32, 4, "inductor", "max-autotune"),
-              precompiled.digest(fp32, 4, "inductor", None, single=True)}
+              precompiled.digest(fp32, 4, "inductor", None, single=True),
+              precompiled.digest(fp32, 4, "inductor", None, decode=True)}
     other_shape = _model(make_tiny_checkpoint(tiny.parent / "wider", hidden_size=128))
     others.add(precompiled.digest(other_shape, 4, "inductor", None))
-    assert key not in others and len(others) == 5
+    assert key not in others and len(others) == 6

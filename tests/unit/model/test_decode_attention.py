@@ -1,0 +1,61 @@
+"""Decode-shaped steps' traced attention (attention.decode_attention, issue 23).
+
+The compiled forward sends decode-shaped steps (one new token per request, every request with a
+cache) through decode_attention instead of the opaque paged_attention op. The two must agree:
+the same cache writes, bit for bit, and the same outputs to float rounding. Reference here:
+paged_attention (itself checked against attention without a cache in test_layers.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spmd_engine.model.layers.attention import AttentionMetadata, decode_attention, paged_attention
+
+
+def _caches(num_blocks, block_size, kv, D, dtype, gen):
+    shape = (num_blocks, block_size, kv, D)
+    return (torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype))
+
+
+@pytest.mark.parametrize("heads,kv", [(8, 2), (4, 4), (6, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_equals_paged_attention(heads, kv, dtype):
+    gen = torch.Generator().manual_seed(heads * 10 + kv)
+    D, bs = 16, 4
+    contexts = [1, 3, 4, 9, 17, 2]  # one block, a full block, several, a partial last one
+    tables, at = [], 0
+    for c in contexts:  # each request its own blocks, in no particular order
+        n = c // bs + 1
+        tables.append([(7 * (at + i)) % 40 for i in range(n)])
+        at += n
+    attn = AttentionMetadata.build(contexts, [1] * len(contexts), tables, bs, "cpu")
+    step = attn.decode_step()
+    assert step is not None and step.block_tables.shape[1] >= 2
+    q = torch.randn(len(contexts), heads, D, generator=gen).to(dtype)
+    k, v = (torch.randn(len(contexts), kv, D, generator=gen).to(dtype) for _ in range(2))
+    ref_k, ref_v = _caches(40, bs, kv, D, dtype, torch.Generator().manual_seed(1))
+    got_k, got_v = ref_k.clone(), ref_v.clone()
+    want = paged_attention(q, k, v, ref_k, ref_v, attn, D ** -0.5)
+    got = decode_attention(q, k, v, got_k, got_v, step, D ** -0.5)
+    assert torch.equal(got_k, ref_k) and torch.equal(got_v, ref_v)  # the same slots written
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_only_decode_shaped_steps_have_a_decode_step():
+    bs = 4
+    assert AttentionMetadata.build([0], [3], [[0]], bs, "cpu").decode_step() is None  # a fresh prompt
+    assert AttentionMetadata.build([5, 2], [1, 3], [[0, 1], [2]], bs, "cpu").decode_step() is None  # a chunk
+    assert AttentionMetadata.build([5, 0], [1, 2], [[0, 1], [2]], bs, "cpu").decode_step() is None  # mixed
+    invariant = AttentionMetadata.build([5], [1], [[0, 1]], bs, "cpu", invariant=True)
+    assert invariant.decode_step() is None  # batch-invariant mode keeps its own kernels
+    dummy = AttentionMetadata.build([2], [1], [[0]], bs, "cpu")
+    dummy.slot_mapping = None  # a DP wave's dummy step writes nothing
+    assert dummy.decode_step() is None
+    step = AttentionMetadata.build([2, 6], [1, 1], [[3], [4, 5]], bs, "cpu").decode_step()
+    assert step.slots.tolist() == [3 * bs + 2, 5 * bs + 2]
+    assert step.block_tables.tolist() == [[3, 0], [4, 5]] and step.seq_lens.tolist() == [3, 7]
+    one_block = AttentionMetadata.build([2], [1], [[3]], bs, "cpu").decode_step()
+    assert one_block.block_tables.tolist() == [[3, 0]]  # padded: a width of 1 would be a graph of its own
