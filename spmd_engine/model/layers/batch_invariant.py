@@ -24,8 +24,9 @@ depend on its batch (or on the process's thread count). These do not, by constru
   weight.
 - `attention` (`plan_tiles`, `attend`): float32 computes every product with the keys' rows
   (or a value block's head dims, no fewer than MIN_ROWS) as M and a tile's query rows as N:
-  a query's scores and sums then do not depend on how many rows share the product, down to
-  one (measured), so a decode computes only its own rows. The softmax's sums and the value
+  a query's scores and sums then do not depend on how many rows share the product, in whole
+  blocks of MIN_ROWS columns (measured: AMD EPYC's MKL sums a part-filled block otherwise), so
+  a decode computes its own rows padded to one block. The softmax's sums and the value
   products run in fixed key blocks of KEY_BLOCK from position 0, combined by one pairwise
   tree as if padded to a power of two, where blocks past the query add exact zeros: neither
   the number of queries, nor cached blocks, nor the key length a tile is padded to changes a
@@ -46,6 +47,7 @@ Everything is torch ops with autograd: a trainer calls the same functions (model
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -375,6 +377,10 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: 
         pad = (0, 0, 0, 0, 0, 0, 0, 2 - n)
         return attention(F.pad(q, pad), F.pad(keys, pad), F.pad(values, pad), F.pad(q_pos, (0, 0, 0, 2 - n)),
                          scale)[:n]
+    step = MIN_ROWS // math.gcd(group, MIN_ROWS)  # queries whose heads fill whole MIN_ROWS columns
+    if t % step:  # fewer columns meet other kernels on some CPUs (AMD EPYC's MKL: below 16)
+        extra = step - t % step
+        return attention(F.pad(q, (0, 0, 0, 0, 0, extra)), keys, values, F.pad(q_pos, (0, extra)), scale)[:, :t]
     f32, rows = torch.float32, t * group
     keys, values = keys.to(f32), values.to(f32)  # no copy in fp32
     if d < MIN_ROWS:  # a head this narrow meets MKL's small kernels (other sums): zeros pad it
@@ -409,8 +415,10 @@ def _flash_tiles(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_po
     qf = q.view(n, t, kv, group, d).transpose(1, 2).reshape(n, kv, rows, d)
     visible = torch.arange(length, device=q.device).view(1, 1, 1, length) <= q_pos.view(n, t, 1, 1)
     mask = visible.expand(n, t, group, length).reshape(n, 1, rows, length)
-    if rows < MIN_ROWS:  # a lone row (a decode at TP 8) meets another kernel: padded, as the products are
-        qf, mask = F.pad(qf, (0, 0, 0, MIN_ROWS - rows)), F.pad(mask, (0, 0, 0, MIN_ROWS - rows), value=True)
+    if rows % MIN_ROWS:  # a lone row (a decode at TP 8), or a ragged last block of rows, meets another
+        # kernel (AMD EPYC: any part-filled block of 16): padded to whole blocks, as the products are
+        extra = MIN_ROWS - rows % MIN_ROWS
+        qf, mask = F.pad(qf, (0, 0, 0, extra)), F.pad(mask, (0, 0, 0, extra), value=True)
     out = F.scaled_dot_product_attention(qf, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
                                          scale=scale)[:, :, :rows]  # [n, kv, t * group, D]
     return out.reshape(n, kv, t, group, d).transpose(1, 2).reshape(n, t, heads, d)
@@ -424,8 +432,10 @@ def _sdpa_invariant(device_type: str, d: int, dtype: torch.dtype = torch.bfloat1
     (any number of queries, sequences, padded keys and threads) on AVX512-BF16/AMX with
     torch 2.13, and tested (tests/unit/model/test_batch_invariant_kernels.py). This probe
     keeps the float32 recipe wherever a query's output moves with its call, as it does in
-    float32 (MKL's products) and may on another CPU or build."""
-    if device_type != "cpu" or not _onednn_bf16():
+    float32 (MKL's products) and may on another CPU or build. Only with AMX: on an AMD EPYC with
+    AVX512-BF16 but no AMX, the probe passed while one query in 300 of a prompt decoded alone
+    differed by a bit from the same query in the whole prompt's tile (the test above caught it)."""
+    if device_type != "cpu" or not _onednn_bf16() or not torch.cpu._is_amx_tile_supported():
         return False
     threads = torch.get_num_threads()
     try:
