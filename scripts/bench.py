@@ -48,6 +48,8 @@ Figures
   compile    compiled forward (default) vs enforce_eager, same run: decode B=8, B=32 and a prefill
              batch, fp32 and bf16; first start's compile seconds (empty inductor cache); warm-cache
              start-up (fresh process, import + LLM()) vs eager start-up
+  decode_attention  decode steps' attention traced into the compiled graph vs the opaque paged
+             attention op, one uni bf16 engine, B=8 and B=32, in turns
 """
 
 from __future__ import annotations
@@ -73,7 +75,8 @@ import bench_rpc_transport  # noqa: E402
 from make_random_checkpoint import make_random_checkpoint  # noqa: E402
 
 FIGURES = ("rpc", "allreduce", "decode", "capacity", "prefix", "chunked", "tp", "tp4", "pp", "mixed", "startup", "load",
-           "moe", "wave", "sampling", "batch_invariant", "compile")
+           "moe", "wave", "sampling", "batch_invariant", "compile",
+           "decode_attention")
 LLAMA_SHAPE = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2, intermediate_size=1536,
                    vocab_size=32000, max_position_embeddings=8192)
 QWEN3_MOE_SHAPE = dict(architecture="Qwen3MoeForCausalLM", hidden_size=512, num_layers=8, num_heads=8,
@@ -791,6 +794,42 @@ def fig_compile(args) -> None:
          loadavg_1m=loadavg())
 
 
+def fig_decode_attention(args) -> None:
+    """Decode steps' attention traced into the compiled graph (attention.decode_attention)
+    against the same graph kind calling the opaque paged-attention op, one uni bf16 engine,
+    the two in turns: the second by making AttentionMetadata.decode_step answer None, so
+    decode steps take the general graph (as before decode graphs existed)."""
+    import torch
+
+    from spmd_engine import LLM
+    from spmd_engine.model.layers.attention import AttentionMetadata
+    model_dir = random_llama(args)
+    new = 16 if args.quick else 64
+    traced = AttentionMetadata.decode_step
+    try:
+        for batch in (8, 32):
+            prompts = prompts_for(batch, 32, LLAMA_SHAPE["vocab_size"])
+            llm = LLM(model=model_dir, dtype="bfloat16", max_model_len=32 + new + 8, max_num_seqs=batch,
+                      distributed_executor_backend="uni")
+            rates = {"traced": [], "op": []}
+            time_engine(llm, prompts, 4)
+            for _ in range(args.reps):
+                for kind in ("op", "traced"):
+                    AttentionMetadata.decode_step = traced if kind == "traced" else (lambda self: None)
+                    rates[kind].append(time_engine(llm, prompts, new))
+            AttentionMetadata.decode_step = traced
+            refused = llm.get_stats()[0]["runner"]["compiled_calls_refused"]
+            llm.shutdown()
+            v, b = statistics.median(rates["traced"]), statistics.median(rates["op"])
+            emit(f"decode_attention_traced_tokens_per_s_b{batch}", v, b, v / b, "tokens/s", batch=batch,
+                 dtype="bfloat16", new_tokens=new, reps=args.reps, threads=torch.get_num_threads(),
+                 compiled_calls_refused=refused, ratio_is="value/baseline, higher is better",
+                 baseline_is="the same engine, decode steps through the general graph's opaque attention op",
+                 loadavg_1m=loadavg())
+    finally:
+        AttentionMetadata.decode_step = traced
+
+
 # ---------------------------------------------------------------- startup
 def torchrun(nproc: int, argv: list[str], env: dict | None = None, timeout: float = 600):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), *argv]
@@ -1075,7 +1114,7 @@ def main() -> None:
              "prefix": fig_prefix, "chunked": fig_chunked, "tp": fig_tp,
              "tp4": lambda a: fig_tp(a, 4), "pp": fig_pp, "mixed": fig_mixed, "startup": fig_startup, "load": fig_load,
              "moe": fig_moe, "wave": fig_wave, "sampling": fig_sampling, "batch_invariant": fig_batch_invariant,
-             "compile": fig_compile}
+             "compile": fig_compile, "decode_attention": fig_decode_attention}
     for name in FIGURES:
         if name in chosen:
             table[name](args)
