@@ -22,8 +22,14 @@ Three things inside a layer are opaque to the compiler, each a custom op with a 
   - `spmd_engine::all_reduce`: the TP sum over our shared-memory path (distributed/), never
     traced: the group is looked up by a number fixed at set-up.
 A step's token count N varies: the chunk's inputs are marked dynamic along it, so one graph
-serves every N >= 2; one token (a single request's decode) gets a graph of its own, since
-dynamo specialises a size of 1. Steps of fewer than `min_tokens` tokens run eager.
+serves every N >= 2. Decode-shaped steps (one new token per request, each with a cache: most
+steps of a generation) get graphs of their own, where attention is not the opaque op but
+traced (attention.decode_attention, its metadata a tuple of tensors passed in: slots, block
+tables dynamic along N and the number of blocks, sequence lengths), so inductor fuses the cache
+reads into a few loops; the opaque op's Python, dispatch and SDPA's fixed work cost about 200 us
+a layer at decode sizes. One decode token (a single request's decode) has a graph of its own,
+since dynamo specialises a size of 1; a lone one-token step of another kind runs eager, as do
+steps of fewer than `min_tokens` tokens.
 
 Each model gets its own copy of the compiled function's code object, so dynamo's cache is
 per model: two models in one process (tests, an RL trainer beside its engine) never share a

@@ -8,10 +8,10 @@ seconds (docs/performance.md). torch can save what dynamo and inductor made of a
 A saved graph carries no guards on the code it came from (those cannot be saved), so a file's
 name is a digest of everything that decides the graph: torch's and Python's versions, the CPU's
 instruction set, the source of spmd_engine/model, the model's shape facts, dtype, device, TP
-size and group numbers, which weights are packed, the chunk's length (and whether the graph
-is the one-token one), backend and mode. Any change is another file. A file that cannot be read
-is compiled afresh and replaced; files are written to a temporary name and renamed, so TP ranks
-saving the same chunk at once cannot corrupt it. What is kept are the guards on the inputs
+size and group numbers, which weights are packed, the chunk's length, the graph's kind (one
+token or more, decode or general), backend and mode. Any change is another file. A file that
+cannot be read is compiled afresh and replaced; files are written to a temporary name and
+renamed, so TP ranks saving the same chunk at once cannot corrupt it. What is kept are the guards on the inputs
 (dtypes, strides, the token count: N >= 2, or exactly 1 for the one-token graph; the chunk's
 length), checked before every call: a call they refuse runs eager.
 
