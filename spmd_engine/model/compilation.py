@@ -200,6 +200,16 @@ class CompiledLayers:
         self.loaded: list[str] = []  # files the built functions came from (the rest were traced)
         self.refused = 0  # calls whose inputs the saved guards refused (run eager)
 
+    @staticmethod
+    def mark_caches_dynamic(attention_layers) -> None:
+        """A graph serves any number of KV blocks: the caches' first dim is dynamic. Marked here,
+        not where a cache is bound, so that an eager model never imports dynamo (a second of
+        start-up)."""
+        for attention in attention_layers:
+            for cache in (attention.k_cache, attention.v_cache):
+                if cache is not None and cache.shape[0] > 1:
+                    torch._dynamo.maybe_mark_dynamic(cache, 0)
+
     def graphs(self) -> int:
         """How many graphs this model holds: per chunk length, one for general steps of 2 or more
         tokens and one each for decode steps of one token and of more (so 3 or 6 when nothing

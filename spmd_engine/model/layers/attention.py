@@ -237,9 +237,6 @@ class Attention(nn.Module):
 
     def set_kv_cache(self, k_cache: torch.Tensor | None, v_cache: torch.Tensor | None) -> None:
         """[num_blocks, block_size, num_kv_heads, head_dim] each, or None to drop the cache."""
-        for cache in (k_cache, v_cache):  # a compiled layer's graph serves any number of blocks
-            if cache is not None and cache.shape[0] > 1:
-                torch._dynamo.maybe_mark_dynamic(cache, 0)
         self.k_cache, self.v_cache = k_cache, v_cache
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttentionMetadata | None):

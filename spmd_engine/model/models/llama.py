@@ -202,6 +202,8 @@ class CausalLM(CausalLMWeights, nn.Module):
             raise ValueError(f"{len(caches)} caches for {len(layers)} layers")
         for attention, (k, v) in zip(layers, caches):
             attention.set_kv_cache(k, v)
+        if self.compiled_layers is not None:
+            self.compiled_layers.mark_caches_dynamic(layers)
 
     # ---- compute ----
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, attn: AttentionMetadata | None,
@@ -239,6 +241,7 @@ class CausalLM(CausalLMWeights, nn.Module):
         """From now on packed steps of at least `min_tokens` tokens run the decoder layers
         through torch.compile (compilation.CompiledLayers' options)."""
         self.compiled_layers = compilation.CompiledLayers(self, **options)
+        self.compiled_layers.mark_caches_dynamic(self._attention_layers())
 
     # ---- routing replay ----
     routing_recorded = False

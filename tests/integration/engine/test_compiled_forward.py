@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -118,6 +120,29 @@ def test_enforce_eager_and_level_0_do_not_compile(tiny):
             greedy(llm, BATCHES[:1])
             assert runner_stats(llm)["compiled_graphs"] == 0
     assert dict(counters["stats"]) == before  # dynamo never ran
+
+
+_EAGER_CHILD = r"""
+import sys
+from spmd_engine import LLM, SamplingParams
+for kwargs in ({"enforce_eager": True, "dtype": "bfloat16"}, {"dtype": "float32"}):  # fp32: eager by default
+    with LLM(model=sys.argv[1], enable_sleep_mode=True, **kwargs) as llm:
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3), use_tqdm=False)
+        llm.sleep(level=1)
+        llm.wake_up()  # the KV cache bound again
+print(sorted(m for m in ("torch._dynamo", "torch._inductor") if m in sys.modules))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_an_eager_engine_never_imports_dynamo(tiny):
+    """Importing dynamo costs an eager start about a second (1.7 against 2.9 s on the bench
+    model, docs/performance.md): only a compiled model imports it. A fresh process, since
+    this one has imported it already."""
+    proc = subprocess.run([sys.executable, "-c", _EAGER_CHILD, str(tiny)], capture_output=True, text=True,
+                          timeout=100, env=dict(os.environ, SPMD_ENGINE_ENFORCE_EAGER="0"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout
 
 
 @pytest.mark.timeout(120)

@@ -27,11 +27,14 @@ PROMPTS = [[(7 * i + 13 * j) % 297 + 3 for j in range(5 + 9 * i)] for i in range
 _CHILD = r"""
 import json, sys
 from spmd_engine import LLM, SamplingParams
-with LLM(model=sys.argv[1], enforce_eager=False, compilation_config={"level": 3, "min_tokens": 2}) as llm:
+kv = {"kv_cache_memory_bytes": int(sys.argv[3])} if len(sys.argv) > 3 else {}
+with LLM(model=sys.argv[1], enforce_eager=False, compilation_config={"level": 3, "min_tokens": 2}, **kv) as llm:
     outs = llm.generate(json.loads(sys.argv[2]), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
                         use_tqdm=False)
     stats = llm.get_stats()[0]["runner"]
-sys.stdout.write(json.dumps({"tokens": [o.outputs[0].token_ids for o in outs], "stats": stats}) + "\n")
+blocks = llm.config.cache_config.num_gpu_blocks
+sys.stdout.write(json.dumps({"tokens": [o.outputs[0].token_ids for o in outs], "stats": stats,
+                             "num_blocks": blocks}) + "\n")
 """
 
 
@@ -61,10 +64,11 @@ def saved(cache) -> list:
     return sorted((cache / precompiled.FOLDER).glob("*.bin"))
 
 
-def child(tiny, env_cache) -> dict:
+def child(tiny, env_cache, kv_bytes: int | None = None) -> dict:
     import os
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(env_cache))
-    proc = subprocess.run([sys.executable, "-c", _CHILD, str(tiny), json.dumps(PROMPTS)], env=env,
+    kv = [] if kv_bytes is None else [str(kv_bytes)]
+    proc = subprocess.run([sys.executable, "-c", _CHILD, str(tiny), json.dumps(PROMPTS), *kv], env=env,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -73,10 +77,13 @@ def child(tiny, env_cache) -> dict:
 @pytest.mark.timeout(300)
 def test_a_fresh_process_loads_the_saved_graph_and_equals_eager(tiny, cache):
     want = eager_tokens(tiny)
-    first = child(tiny, cache)
+    first = child(tiny, cache, kv_bytes=4 << 20)
     # Two graphs (min_tokens 2): general steps, and decode steps with their attention traced.
     assert first["stats"]["compiled_graphs_loaded"] == 0 and len(saved(cache)) == 2
-    second = child(tiny, cache)
+    # Another KV cache size: the saved graphs take any number of blocks (the caches' first dim
+    # is marked dynamic when the layers compile, compilation.mark_caches_dynamic).
+    second = child(tiny, cache, kv_bytes=2 << 20)
+    assert second["num_blocks"] < first["num_blocks"], (first["num_blocks"], second["num_blocks"])
     assert second["stats"]["compiled_graphs_loaded"] == 2, second["stats"]
     assert second["stats"]["compiled_calls_refused"] == 0, second["stats"]  # the graph ran every step
     assert first["tokens"] == second["tokens"] == want
