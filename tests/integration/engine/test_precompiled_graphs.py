@@ -27,8 +27,8 @@ PROMPTS = [[(7 * i + 13 * j) % 297 + 3 for j in range(5 + 9 * i)] for i in range
 _CHILD = r"""
 import json, sys
 from spmd_engine import LLM, SamplingParams
-kv = {"kv_cache_memory_bytes": int(sys.argv[3])} if len(sys.argv) > 3 else {}
-with LLM(model=sys.argv[1], enforce_eager=False, compilation_config={"level": 3, "min_tokens": 2}, **kv) as llm:
+with LLM(model=sys.argv[1], enforce_eager=False, compilation_config={"level": 3, "min_tokens": 2},
+         kv_cache_memory_bytes=int(sys.argv[3])) as llm:
     outs = llm.generate(json.loads(sys.argv[2]), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
                         use_tqdm=False)
     stats = llm.get_stats()[0]["runner"]
@@ -64,11 +64,10 @@ def saved(cache) -> list:
     return sorted((cache / precompiled.FOLDER).glob("*.bin"))
 
 
-def child(tiny, env_cache, kv_bytes: int | None = None) -> dict:
+def child(tiny, env_cache, kv_bytes: int) -> dict:
     import os
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(env_cache))
-    kv = [] if kv_bytes is None else [str(kv_bytes)]
-    proc = subprocess.run([sys.executable, "-c", _CHILD, str(tiny), json.dumps(PROMPTS), *kv], env=env,
+    proc = subprocess.run([sys.executable, "-c", _CHILD, str(tiny), json.dumps(PROMPTS), str(kv_bytes)], env=env,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
