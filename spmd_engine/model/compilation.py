@@ -31,13 +31,14 @@ a layer at decode sizes. One decode token (a single request's decode) has a grap
 since dynamo specialises a size of 1; a lone one-token step of another kind runs eager, as do
 steps of fewer than `min_tokens` tokens.
 
-Each model gets its own copy of the compiled function's code object, so dynamo's cache is
-per model: two models in one process (tests, an RL trainer beside its engine) never share a
-graph, and within a model guards on the layer modules are skipped (every compiled layer is
-built alike; weights are inputs, only their values change). Compile once per process; with
-inductor each chunk length's compiled function is saved in inductor's cache directory
-(TORCHINDUCTOR_CACHE_DIR, or compilation_config's cache_dir) and the next process loads it
-without tracing (precompiled.py).
+With inductor (and its caches on) each chunk length's graph is built ahead of time into an
+AOTInductor package on disk (precompiled.py, chunk_program.py): exported once, then loaded by
+torch's C++ loader in this process and every later one, so a warm start imports neither dynamo
+nor inductor. Other backends (and inductor with its caches forced off) go through dynamo at
+every start: each model then gets its own copy of the compiled function's code object, so
+dynamo's cache is per model (two models in one process, as in tests or an RL trainer beside its
+engine, never share a graph), and guards on the layer modules are skipped (every compiled layer
+is built alike; weights are inputs, only their values change).
 
 Not compiled, by design: batch-invariant mode (its kernels fix every reduction order and
 inductor would choose its own: eager keeps it bitwise exact), MoE layers (data-dependent
@@ -176,9 +177,9 @@ def _skip_module_guards(entries):
 class CompiledLayers:
     """One model's compiled decoder layers: `run(rope, hidden, residual, attn)`.
 
-    With inductor each chunk length's graph is built ahead of time (torch's aot_compile) and
-    kept on disk (precompiled.py), so a later process loads it without tracing; other backends
-    (and inductor with its caches forced off) go through dynamo at every start."""
+    With inductor each chunk length's graph is an AOTInductor package kept on disk
+    (precompiled.py), loaded without tracing; other backends (and inductor with its caches
+    forced off) go through dynamo at every start."""
 
     def __init__(self, model, backend: str = "inductor", mode: str | None = None,
                  min_tokens: int = DEFAULT_MIN_TOKENS, layers_per_graph: int = DEFAULT_LAYERS_PER_GRAPH):
@@ -189,22 +190,27 @@ class CompiledLayers:
         self.model_ref = weakref.ref(model)
         self.backend, self.mode = backend, mode
         self.chunks = chunks(list(model.model.layers.values()), layers_per_graph)
+        self.ahead = precompiled.applies(backend)
+        self.min_tokens = max(1, int(min_tokens))
+        self.built: dict[tuple[int, bool, bool], object] = {}  # (chunk length, one token?, decode?) -> graph
+        self.loaded: list[str] = []  # files the built graphs came from (the rest were compiled now)
+        self.refused = 0  # calls whose inputs the graph's checks refused (run eager)
+        if self.ahead:
+            from spmd_engine.model.chunk_program import ChunkProgram
+            self.programs = [ChunkProgram(chunk) for chunk in self.chunks]
+            return
         self.code = _chunk_step.__code__.replace()  # this model's own dynamo cache
         step = types.FunctionType(self.code, _chunk_step.__globals__, "_chunk_step")
-        self.ahead = precompiled.applies(backend)
-        options = {"guard_filter_fn": _savable_guards if self.ahead else _skip_module_guards}
+        options = {"guard_filter_fn": _skip_module_guards}
         kwargs = {"mode": mode} if mode and backend == "inductor" else {}
         self.fn = torch.compile(step, backend=backend, fullgraph=True, dynamic=None, options=options, **kwargs)
-        self.min_tokens = max(1, int(min_tokens))
-        self.built: dict[tuple[int, bool, bool], object] = {}  # (chunk length, one token?, decode?) -> function
-        self.loaded: list[str] = []  # files the built functions came from (the rest were traced)
-        self.refused = 0  # calls whose inputs the saved guards refused (run eager)
 
-    @staticmethod
-    def mark_caches_dynamic(attention_layers) -> None:
-        """A graph serves any number of KV blocks: the caches' first dim is dynamic. Marked here,
-        not where a cache is bound, so that an eager model never imports dynamo (a second of
-        start-up)."""
+    def mark_caches_dynamic(self, attention_layers) -> None:
+        """A traced graph serves any number of KV blocks: the caches' first dim is dynamic.
+        Marked here, not where a cache is bound, so that an eager model never imports dynamo (a
+        second of start-up); a package's caches are inputs with that dim dynamic already."""
+        if self.ahead:
+            return
         for attention in attention_layers:
             for cache in (attention.k_cache, attention.v_cache):
                 if cache is not None and cache.shape[0] > 1:
@@ -247,46 +253,54 @@ class CompiledLayers:
                     hidden, residual = self.fn(chunk, cos, sin, hidden, residual, decode)
                 return hidden, residual
             kind = (hidden.shape[0] == 1, decode is not None)
-            for chunk in self.chunks:
-                args = (chunk, cos, sin, hidden, residual, decode)
-                fn = self.built.get((len(chunk), *kind)) or self._build(args, *kind)
-                if fn.guard_check(*args):
-                    hidden, residual = fn(*args)
+            for chunk, program in zip(self.chunks, self.programs):
+                package = self.built.get((len(chunk), *kind)) or self._build(program, cos, sin, hidden, residual,
+                                                                              decode, *kind)
+                flat = program.flat_inputs(cos, sin, hidden, residual, decode)
+                if package.accepts(flat):
+                    package.remember(flat, program.leading)
+                    hidden, residual = package(flat)
                 else:
-                    hidden, residual = self._eager(args, attn)
+                    hidden, residual = self._eager(chunk, cos, sin, hidden, residual, attn)
         return hidden, residual
 
-    def _build(self, args, single: bool, decode: bool):
-        """The function for this chunk length and kind (one token or more, decode or general):
-        from disk, or traced now and saved."""
-        chunk = args[0]
-        key = precompiled.digest(self.model_ref(), len(chunk), self.backend, self.mode, single, decode)
+    def _build(self, program, cos, sin, hidden, residual, decode, single: bool, is_decode: bool):
+        """The package for this chunk length and kind (one token or more, decode or general):
+        from disk, or exported, built and saved now."""
+        chunk = program.chunk
+        key = precompiled.digest(self.model_ref(), len(chunk), self.backend, self.mode, single, is_decode)
         path = precompiled.path_for(key)
-        fn = precompiled.load(path, _chunk_step.__globals__)
-        if fn is not None:
+        package = precompiled.load(path)
+        if package is not None:
             self.loaded.append(str(path))
         else:
-            step = args[5]
-            if not single:
-                for t in (*args[1:5], *(step or ())):
-                    torch._dynamo.mark_dynamic(t, 0)
-            if step is not None:
-                torch._dynamo.mark_dynamic(step[1], 1)  # the block tables: any context length
-            fn = precompiled.compile_and_save(self.fn, args, path)
-        fn.disable_guard_check()  # checked in run(), where a refusal falls back to eager
-        self.built[len(chunk), single, decode] = fn
-        return fn
+            package = precompiled.build_and_save(program, *_export_example(program, cos, sin, hidden, residual,
+                                                                             decode, single), self.mode, path)
+        self.built[len(chunk), single, is_decode] = package
+        return package
 
-    def _eager(self, args, attn):
+    def _eager(self, chunk, cos, sin, hidden, residual, attn):
         if not self.refused:
             logger.warning("compiled forward: a step's inputs do not fit the compiled graph (%d tokens); "
-                           "running its layers eager", args[3].shape[0])
+                           "running its layers eager", hidden.shape[0])
         self.refused += 1
-        chunk, cos, sin, hidden, residual, _ = args
         for layer in chunk:
             hidden, residual = layer((cos, sin), hidden, residual, attn)
         return hidden, residual
 
 
-def _savable_guards(entries):
-    return precompiled.savable_guards(entries, _skip_module_guards(entries))
+def _export_example(program, cos, sin, hidden, residual, decode, single: bool):
+    """(example inputs, their dynamic dims, which flat inputs may be packed weights) for
+    exporting `program`: packed weights get dense stand-ins of their shape and dtype (the export
+    cannot fake an oneDNN tensor; the graph passes them to spmd_engine::linear unread)."""
+    from torch.export import Dim
+    weights, caches = program.weights(), program.caches()
+    stand_ins = [torch.empty(w.shape, dtype=w.dtype, device=w.device) if w.is_mkldnn else w for w in weights]
+    n, blocks, width = (None if single else Dim("N", min=2)), Dim("NB", min=2), Dim("B", min=2)
+    tokens = None if n is None else {0: n}
+    step = None if decode is None else (tokens, {**(tokens or {}), 1: width}, tokens)
+    example = (stand_ins, caches, cos, sin, hidden, residual, decode)
+    dims = ([None] * len(weights), [{0: blocks} if c.shape[0] > 1 else None for c in caches],
+            tokens, tokens, tokens, tokens, step)
+    any_layout = program.packed() + [False] * (len(caches) + 4 + len(decode or ()))
+    return example, dims, any_layout

@@ -1,31 +1,48 @@
-"""Compiled chunks of layers kept on disk between processes, so that a warm start skips dynamo.
+"""Compiled chunks of layers kept on disk as AOTInductor packages, so a warm start imports no compiler.
 
-Inductor's cache makes a second process's compile a lookup of kernels, but dynamo still traces
-the chunk's Python at every start: with importing inductor, most of a warm start's compile
-seconds (docs/performance.md). torch can save what dynamo and inductor made of a function
-(`aot_compile`, `save_compiled_function`) and load it in another process without tracing.
+A chunk's graph is exported (torch.export) and built by AOTInductor into a package: a shared
+library of inductor's kernels and a wrapper that calls them, in one zip file beside inductor's
+cache. A later process loads it with torch's C++ loader (`torch._C._aoti`) and calls it with a
+flat list of tensors. Loading neither imports dynamo nor inductor (about 1.3 s of a start), runs
+inductor's instruction-set probes (1.6 s: six child processes), nor deserialises graphs (1.2 s):
+a warm compiled start then costs about what an eager one does (docs/performance.md). The first
+process builds and saves each package, then loads it like any later one, so every process runs
+the same code.
 
-A saved graph carries no guards on the code it came from (those cannot be saved), so a file's
-name is a digest of everything that decides the graph: torch's and Python's versions, the CPU's
-instruction set, the source of spmd_engine/model, the model's shape facts, dtype, device, TP
-size and group numbers, which weights are packed, the chunk's length, the graph's kind (one
-token or more, decode or general), backend and mode. Any change is another file. A file that
-cannot be read is compiled afresh and replaced; files are written to a temporary name and
-renamed, so TP ranks saving the same chunk at once cannot corrupt it. What is kept are the guards on the inputs
-(dtypes, strides, the token count: N >= 2, or exactly 1 for the one-token graph; the chunk's
-length), checked before every call: a call they refuse runs eager.
+The weights are inputs, not constants baked into the package: every call passes the chunk's
+current tensors, so a weight update (in place, or a repacked Parameter) is what the next step
+uses, and one package serves every model of the same shapes. Packed (oneDNN) weights reach the
+graph only through `spmd_engine::linear`, which is eager code; the export sees a dense tensor
+of the same shape in their place. The KV caches are inputs too, written in place.
 
-A file is a pickle: whoever can write the inductor cache directory can run code in the engine,
-as with inductor's own cached kernels there (docs/security.md).
+A package carries no guards on the code it came from, so a file's name is a digest of everything
+that decides the graph: torch's and Python's versions, the CPU's instruction set and the thread
+count (baked into the kernels' OpenMP loops), the source of spmd_engine/model, the model's shape
+facts, dtype, device, TP size and group numbers, which weights are packed, the chunk's length,
+the graph's kind (one token or more, decode or general), backend and mode. Any change is another
+file. What the package needs of its inputs (dtype, rank, fixed sizes, contiguity, the token
+count: >= 2, or exactly 1 for the one-token graph) is written into its metadata and checked
+before every call (`Package.accepts`); a call it refuses runs eager. A file that cannot be read
+is built afresh and replaced; files are written to a temporary name and renamed, so TP ranks
+saving the same chunk at once cannot corrupt it.
+
+A package is native code that the engine loads and runs: whoever can write the inductor cache
+directory can run code in the engine, as with inductor's own cached kernels there
+(docs/security.md).
 """
 
 from __future__ import annotations
 
 import functools
+import getpass
 import hashlib
+import json
 import logging
+import os
 import platform
+import re
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -33,22 +50,31 @@ import torch
 logger = logging.getLogger("spmd_engine")
 
 FOLDER = "spmd_engine_precompiled"
-# Guards on the Python modules and functions the layers call: the first three cannot be saved,
-# and a global DUPLICATE_INPUT guard names modules by aliases only the tracing process defines
-# (it fails in any other). The digest (the source of spmd_engine/model) stands in for them.
-UNSAVABLE_GUARDS = frozenset({"MODULE_MATCH", "CLOSURE_MATCH", "BUILTIN_MATCH"})
+SUFFIX = ".pt2"
+_SPEC_KEY = "spmd_engine.inputs"
+# The dynamic dims: tokens in the step, KV blocks in a cache, blocks a decode token reads.
+_MIN = {"N": 2, "NB": 2, "B": 2}
 
 
 def applies(backend: str) -> bool:
-    """Inductor with its caches on: aot_compile refuses to run with them forced off."""
-    return backend == "inductor" and not torch._inductor.config.force_disable_caches
+    """Inductor with its caches on (`torch.compiler.config`, which inductor's own config
+    aliases: reading it imports no compiler)."""
+    import torch.compiler.config
+    return backend == "inductor" and not torch.compiler.config.force_disable_caches
 
 
-def savable_guards(entries, keep) -> list[bool]:
-    """`keep` (a guard filter's verdicts) less the guards that cannot be saved."""
-    return [k and e.guard_type not in UNSAVABLE_GUARDS
-            and not (e.guard_type == "DUPLICATE_INPUT" and e.name.startswith("G["))
-            for k, e in zip(keep, entries)]
+def cache_dir() -> Path:
+    """Inductor's cache directory, found as inductor finds it (TORCHINDUCTOR_CACHE_DIR, else
+    `torchinductor_<user>` in the temporary directory) without importing inductor, which
+    imports dynamo (tests/unit/model/test_precompiled_packages.py holds the two equal)."""
+    path = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if path is None:
+        try:
+            user = getpass.getuser()
+        except (KeyError, ModuleNotFoundError, OSError):
+            user = f"uid_{os.getuid()}" if hasattr(os, "getuid") else "unknown_user"
+        path = os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+    return Path(os.path.abspath(path))
 
 
 @functools.lru_cache(maxsize=None)
@@ -69,37 +95,128 @@ def digest(model, chunk_length: int, backend: str, mode: str | None, single: boo
     first = next(iter(model.model.layers.values()))
     packed = tuple(m.weight.is_mkldnn for m in first.modules() if getattr(m, "packable_weight", False))
     groups = tuple(getattr(m, "compile_group", None) for m in model.modules() if isinstance(m, RowParallelLinear))
-    facts = (torch.__version__, sys.version, platform.machine(), torch.backends.cpu.get_cpu_capability(),
-             _source_digest(), repr(model.spec), str(model.dtype), model.device.type,
+    facts = ("aoti", torch.__version__, sys.version, platform.machine(), torch.backends.cpu.get_cpu_capability(),
+             torch.get_num_threads(), _source_digest(), repr(model.spec), str(model.dtype), model.device.type,
              model.tp_group.world_size, groups, packed, chunk_length, backend, mode, single, decode)
     return hashlib.sha256(repr(facts).encode()).hexdigest()[:32]
 
 
 def path_for(key: str) -> Path:
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-    return Path(cache_dir()) / FOLDER / f"{key}.bin"
+    return cache_dir() / FOLDER / f"{key}{SUFFIX}"
 
 
-def load(path: Path, f_globals: dict):
-    """The saved function at `path`, its globals (and its guards' globals) `f_globals`, or None
-    if there is none or it cannot be read."""
+def _entry(t: torch.Tensor, dims: dict[int, str] | None, any_layout: bool) -> list:
+    sizes = [(dims or {}).get(i, s) for i, s in enumerate(t.shape)]
+    return [str(t.dtype), t.device.type, sizes, any_layout]
+
+
+class Package:
+    """A loaded package: `accepts(flat)` says whether it was built for these inputs, `(flat)` runs it."""
+
+    def __init__(self, path: Path, loader):
+        self.path, self._loader = path, loader
+        spec = json.loads(loader.get_metadata()[_SPEC_KEY])
+        self._spec = [(getattr(torch, dtype.removeprefix("torch.")), device, sizes, any_layout)
+                      for dtype, device, sizes, any_layout in spec]
+        self._fixed = 0  # inputs, from the first, that were accepted as the same objects last time
+        self._last: list = []
+
+    def __call__(self, flat: list) -> list:
+        return self._loader.run(flat)
+
+    def accepts(self, flat: list) -> bool:
+        """Dtype, device, rank, every fixed size, contiguity (not for a packed weight's place),
+        dynamic sizes at their minimum and equal where they share a name. The weights and caches
+        (a list's leading inputs) are checked again only when one is another object than last
+        time."""
+        if len(flat) != len(self._spec):
+            return False
+        lead = self._fixed
+        if lead and not all(a is b for a, b in zip(flat[:lead], self._last)):
+            lead = 0
+        bound: dict[str, int] = {}
+        for i in range(len(flat)):
+            t, (dtype, device, sizes, any_layout) = flat[i], self._spec[i]
+            if i < lead and not any(isinstance(s, str) for s in sizes):
+                continue
+            if t.dtype != dtype or t.device.type != device or t.dim() != len(sizes):
+                return False
+            if not (any_layout or t.is_contiguous()):
+                return False
+            for want, got in zip(sizes, t.shape):
+                if isinstance(want, str):
+                    if bound.setdefault(want, got) != got or got < _MIN[want]:
+                        return False
+                elif want != got:
+                    return False
+        return True
+
+    def remember(self, flat: list, leading: int) -> None:
+        """The first `leading` inputs (weights, caches) of an accepted call: the same objects next
+        time need no fixed-size checks."""
+        self._fixed, self._last = leading, list(flat[:leading])
+
+
+def load(path: Path) -> Package | None:
+    """The package at `path`, or None if there is none or it cannot be read."""
     if not path.exists():
         return None
     try:
-        with open(path, "rb") as f:
-            return torch.compiler.load_compiled_function(f, f_globals=f_globals)
-    except Exception as exc:  # a torch upgrade's leftovers, a truncated file: compile again
+        loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+        return Package(path, loader)
+    except Exception as exc:  # a torch upgrade's leftovers, a truncated file: build again
         logger.warning("compiled forward: cannot load %s (%s: %s); compiling it again", path,
-                       type(exc).__name__, exc)
+                       type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
         return None
 
 
-def compile_and_save(compiled, example_args: tuple, path: Path):
-    """aot_compile `compiled` (a torch.compile'd function) on `example_args` and save it."""
-    fn = compiled.aot_compile((example_args, {}))
+def build_and_save(program, example: tuple, dynamic_shapes: tuple, any_layout: list[bool],
+                   mode: str | None, path: Path) -> Package:
+    """Export `program` (a torch.nn.Module) on `example`, build it with AOTInductor into `path`
+    (through a temporary name), and load it. `any_layout[i]`: flat input i may be a packed
+    weight (the export gets a dense stand-in). Without a writable cache the package is built in
+    a temporary directory and used from there, not kept."""
+    import torch._inductor
+    from torch.utils import _pytree
+    ep = torch.export.export(program, example, dynamic_shapes=dynamic_shapes, strict=False)
+    flat_example = _pytree.tree_leaves(example)
+    flat_dims = _flat_dims(example, dynamic_shapes)
+    spec = [_entry(t, d, a) for t, d, a in zip(flat_example, flat_dims, any_layout)]
+    configs = {k: v for k, v in torch._inductor.list_mode_options(mode).items() if not k.startswith("triton.")} \
+        if mode else {}
+    configs["aot_inductor.metadata"] = {_SPEC_KEY: json.dumps(spec)}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fn.save_compiled_function(str(path))
-    except (OSError, RuntimeError) as exc:  # a read-only cache, a graph torch cannot pickle
-        logger.warning("compiled forward: not saved to %s (%s); the next start traces again", path, exc)
-    return fn
+        target, keep = path, True
+    except OSError as exc:
+        logger.warning("compiled forward: not saved to %s (%s); the next start compiles again", path, exc)
+        target, keep = Path(tempfile.mkdtemp()) / path.name, False
+    tmp = target.with_name(f"{target.stem}.{os.getpid()}.tmp{SUFFIX}")  # AOTInductor wants the suffix
+    try:
+        torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp), inductor_configs=configs)
+        os.replace(tmp, target)
+        package = load(target)
+    finally:
+        tmp.unlink(missing_ok=True)
+        if not keep:
+            target.unlink(missing_ok=True)
+            target.parent.rmdir()
+    if package is None:
+        raise RuntimeError(f"compiled forward: the package just built at {target} does not load")
+    return package
+
+
+def _flat_dims(example, dynamic_shapes) -> list:
+    """dynamic_shapes (a tree like `example`'s, dicts of dim -> torch.export.Dim at the tensors)
+    -> one {dim: name} or None per flat tensor, in `example`'s leaf order."""
+    out = []
+
+    def walk(x, d):
+        if isinstance(x, torch.Tensor):
+            out.append({i: dim.__name__ for i, dim in d.items()} if d else None)
+        elif isinstance(x, (list, tuple)):
+            for i, item in enumerate(x):
+                walk(item, d[i] if d is not None else None)
+
+    walk(example, dynamic_shapes)
+    return out

@@ -232,9 +232,8 @@ class ModelRunner:
         later step reuses (compilation.CompiledLayers.warm_up_steps): fresh prompts that write
         nothing, and decodes that write into block 0, zeroed again afterwards (no request holds
         a block yet). The time goes to the log and get_stats."""
-        from torch._inductor.runtime.cache_dir_utils import cache_dir
-
         from spmd_engine.model.layers.attention import AttentionMetadata
+        from spmd_engine.model.precompiled import cache_dir
         compiled = self.model.compiled_layers
         t = time.perf_counter()
         bs = self.block_size

@@ -1,10 +1,10 @@
-"""Compiled chunks saved to disk and loaded by the next process (model/precompiled.py, issue 23).
+"""Compiled chunks saved to disk as AOTInductor packages and loaded by the next process
+(model/precompiled.py, issue 23).
 
-A warm start loads the graph instead of tracing it; that is only sound if the loaded graph is
-checked as a traced one would be, so each test here ends with the tokens of an eager engine.
-The cross-process test is the one that matters: a graph loaded in the process that traced it
-finds dynamo's leftovers in the module's globals, one loaded in a fresh process does not (a
-guard on such a leftover once refused every call there, silently running eager).
+A warm start loads the package instead of compiling; that is only sound if the loaded graph
+is the one these inputs need, so each test here ends with the tokens of an eager engine. The
+cross-process test is the one that matters: it is what a warm start does, and it shows that
+loading imports no compiler (the second of start-up the packages exist for).
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ with LLM(model=sys.argv[1], enforce_eager=False, compilation_config={"level": 3,
                         use_tqdm=False)
     stats = llm.get_stats()[0]["runner"]
 blocks = llm.config.cache_config.num_gpu_blocks
+compilers = sorted(m for m in ("torch._dynamo", "torch._inductor") if m in sys.modules)
 sys.stdout.write(json.dumps({"tokens": [o.outputs[0].token_ids for o in outs], "stats": stats,
-                             "num_blocks": blocks}) + "\n")
+                             "num_blocks": blocks, "compilers": compilers}) + "\n")
 """
 
 
@@ -61,7 +62,7 @@ def eager_tokens(tiny) -> list[list[int]]:
 
 
 def saved(cache) -> list:
-    return sorted((cache / precompiled.FOLDER).glob("*.bin"))
+    return sorted((cache / precompiled.FOLDER).glob("*" + precompiled.SUFFIX))
 
 
 def child(tiny, env_cache, kv_bytes: int) -> dict:
@@ -85,6 +86,8 @@ def test_a_fresh_process_loads_the_saved_graph_and_equals_eager(tiny, cache):
     assert second["num_blocks"] < first["num_blocks"], (first["num_blocks"], second["num_blocks"])
     assert second["stats"]["compiled_graphs_loaded"] == 2, second["stats"]
     assert second["stats"]["compiled_calls_refused"] == 0, second["stats"]  # the graph ran every step
+    # Loading a package imports no compiler: the second of start-up a warm start saves.
+    assert first["compilers"] == ["torch._dynamo", "torch._inductor"] and second["compilers"] == []
     assert first["tokens"] == second["tokens"] == want
 
 

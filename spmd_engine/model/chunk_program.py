@@ -1,0 +1,70 @@
+"""A chunk of decoder layers as a function of tensors only, the form AOTInductor builds.
+
+torch.export lifts a module's parameters and plain tensor attributes into the package as
+constants: the weights would be copied into every package (and a weight update would not reach
+it), and the KV caches, written in place every step, would be frozen copies. So the exported
+module owns nothing: its inputs are the chunk's weights, in a fixed order, then each layer's
+(K, V) caches, then the step's tensors; `forward` puts them in place for the trace
+(torch.func.functional_call for the weights, the attention modules' cache attributes for the
+caches) and takes them out again afterwards.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def _attention(layer) -> nn.Module:
+    from spmd_engine.model.layers.attention import Attention
+    return next(m for m in layer.modules() if isinstance(m, Attention))
+
+
+class ChunkProgram(nn.Module):
+    """`forward(weights, caches, cos, sin, hidden, residual, decode)` runs the chunk's layers as
+    compilation's `_chunk_step` does. `flat_inputs` gives the live tensors in export's order."""
+
+    def __init__(self, chunk: tuple):
+        super().__init__()
+        object.__setattr__(self, "chunk", tuple(chunk))  # not submodules: their weights are inputs
+        self.names = [[name for name, _ in layer.named_parameters()] for layer in chunk]
+        self._owners = [_owner(layer, name) for layer, names in zip(chunk, self.names) for name in names]
+        self._attention = [_attention(layer) for layer in chunk]
+        self.leading = len(self._owners) + 2 * len(chunk)  # weights and caches
+
+    def weights(self) -> list[torch.Tensor]:
+        return [getattr(module, attr) for module, attr in self._owners]
+
+    def caches(self) -> list[torch.Tensor]:
+        return [c for a in self._attention for c in (a.k_cache, a.v_cache)]
+
+    def packed(self) -> list[bool]:
+        """Which weights are packed (oneDNN): they reach the graph only through spmd_engine::linear."""
+        return [w.is_mkldnn for w in self.weights()]
+
+    def flat_inputs(self, cos, sin, hidden, residual, decode) -> list[torch.Tensor]:
+        return [*self.weights(), *self.caches(), cos, sin, hidden, residual, *(decode or ())]
+
+    def forward(self, weights, caches, cos, sin, hidden, residual, decode):
+        from spmd_engine.model import compilation
+        attn = compilation.COMPILED if decode is None else decode
+        bound = [(a.k_cache, a.v_cache) for a in self._attention]
+        at = 0
+        try:
+            for i, layer in enumerate(self.chunk):
+                self._attention[i].k_cache, self._attention[i].v_cache = caches[2 * i], caches[2 * i + 1]
+                params = dict(zip(self.names[i], weights[at:at + len(self.names[i])]))
+                at += len(self.names[i])
+                hidden, residual = torch.func.functional_call(layer, params, ((cos, sin), hidden, residual, attn))
+        finally:
+            for a, (k, v) in zip(self._attention, bound):
+                a.k_cache, a.v_cache = k, v
+        return hidden, residual
+
+
+def _owner(layer: nn.Module, name: str) -> tuple[nn.Module, str]:
+    *path, attr = name.split(".")
+    module = layer
+    for part in path:
+        module = getattr(module, part)
+    return module, attr
