@@ -256,9 +256,13 @@ class ModelRunner:
         self.compile_seconds = time.perf_counter() - t
         n = compiled.min_tokens
         chunk_lengths = sorted({len(c) for c in compiled.chunks}, reverse=True)
-        source = f"{len(compiled.loaded)} of {compiled.graphs()} loaded, not traced" if compiled.ahead else "traced"
-        logger.info("compiled forward: %d decoder layers through torch.compile (%s), graphs of %s layers (%s), "
-                    "in %.2f s, steps of >= %d tokens (inductor cache %s)", len(self.model.model.layers),
+        if compiled.ahead:
+            how = "AOTInductor packages"
+            source = f"{len(compiled.loaded)} of {compiled.graphs()} loaded, {compiled.graphs() - len(compiled.loaded)} built"
+        else:
+            how, source = "torch.compile", "traced"
+        logger.info("compiled forward: %d decoder layers through %s (%s), graphs of %s layers (%s), "
+                    "in %.2f s, steps of >= %d tokens (inductor cache %s)", len(self.model.model.layers), how,
                     self.config.compilation_config.backend, " and ".join(map(str, chunk_lengths)), source,
                     self.compile_seconds, n, cache_dir())
 

@@ -4,9 +4,9 @@ The suite runs eager (tests/conftest.py sets SPMD_ENGINE_ENFORCE_EAGER=1); these
 the compiled forward explicitly, on a tiny model, most with `min_tokens=2` (one graph fewer
 to build than the default, 1). Decode-shaped steps (one new token per request, all cached)
 run a graph of their own, with attention traced (attention.decode_attention). One
-inductor cache for the module, removed afterwards: the first engine compiles, the others
-find its kernels. References: the same engine eager, token for token; dynamo's own cache
-entries for the recompile bound.
+inductor cache for the module, removed afterwards: the first engine builds each graph's
+AOTInductor package there (model/precompiled.py), the others load it. References: the same
+engine eager, token for token; dynamo's counters for "never traced".
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ def test_compiled_greedy_equals_eager_one_graph_and_the_log_line(tiny, caplog):
     with llm:
         lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compiled forward:")]
         assert len(lines) == 1 and " in " in lines[0] and "steps of >= 2 tokens" in lines[0], lines
+        assert "through AOTInductor packages (inductor)" in lines[0] and " loaded, " in lines[0], lines
         assert greedy(llm, BATCHES) == want
         stats = runner_stats(llm)
         assert stats["compile_seconds"] > 0

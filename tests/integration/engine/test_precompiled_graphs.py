@@ -121,9 +121,9 @@ def _model(tiny, dtype=torch.float32):
 
 @pytest.mark.timeout(240)
 @torch.inference_mode()
-def test_inputs_the_saved_guards_refuse_run_eager(tiny, cache):
+def test_inputs_the_package_refuses_run_eager(tiny, cache):
     """A hidden state with other strides than the graph was built for (a view of every other
-    column), through the compiled layers directly: refused by the guards, it runs eager, with
+    column), through the compiled layers directly: refused by the package's input checks, it runs eager, with
     eager's bits, and is counted."""
     from spmd_engine.model.layers.attention import AttentionMetadata
     model = _model(tiny)
