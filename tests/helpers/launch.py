@@ -166,6 +166,11 @@ class Launch(subprocess.CompletedProcess):
         events (a kill, a signal) on what the launch has printed so far (`output_so_far`).
         `cwd`: where the commands run (tests of the docs run them in an install of their own)."""
         self.tag, self.timed_out = tag, False
+        # A temporary directory of the launch's own, removed when it ends: torchrun (its
+        # torchelastic_* log folders) and anything else that writes under TMPDIR and never
+        # cleans up leaves nothing in the machine's /tmp. A test that sets TMPDIR keeps its own.
+        scratch = tempfile.TemporaryDirectory(prefix=f"spmd_launch_{tag}_")
+        envs = [env if "TMPDIR" in env else {**env, "TMPDIR": scratch.name} for env in envs]
         self._files = files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in cmds]
         self.procs = procs = [subprocess.Popen(cmd, env=env, cwd=cwd, stdout=out, stderr=err, text=True,
                                                start_new_session=True)
@@ -189,6 +194,7 @@ class Launch(subprocess.CompletedProcess):
             out.seek(0), err.seek(0)
             self.stdouts.append(out.read()), self.stderrs.append(err.read())
             out.close(), err.close()
+        scratch.cleanup()
         rc = next((rc for rc in self.returncodes if rc != 0), 0)
         super().__init__(cmds, rc, "".join(self.stdouts), "".join(self.stderrs))
 
