@@ -38,7 +38,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "helpers"))
-from launch import PYTHON, _reap, base_env, tagged_pids  # noqa: E402
+from launch import PYTHON, _reap, base_env, scratch_tmpdir, tagged_pids, with_tmpdir  # noqa: E402
 
 PROMPTS = ["Beautiful is", "Explicit is", "Simple is", "Complex is", "Flat is", "Sparse is"]
 FAULTS = ("kill", "stop", "term", "disk", "shm")
@@ -83,9 +83,9 @@ def attempt(cmd, tag, faults, rng, args, bound, seen: set[int]) -> tuple[int | N
     """One run of the job with `faults` injected at random moments; (rc or None if over
     the bound, seconds, stderr tail)."""
     limit = rng.randrange(300, 1500) if "disk" in faults else None
-    with tempfile.TemporaryFile("w+") as err:
+    with tempfile.TemporaryFile("w+") as err, scratch_tmpdir(tag) as scratch:
         start = time.monotonic()
-        proc = subprocess.Popen(cmd, cwd=REPO, env=base_env(tag), stdout=subprocess.DEVNULL, stderr=err,
+        proc = subprocess.Popen(cmd, cwd=REPO, env=with_tmpdir(base_env(tag), scratch), stdout=subprocess.DEVNULL, stderr=err,
                                 text=True, start_new_session=True,
                                 preexec_fn=limit_file_size(limit) if limit else None)
         plan = sorted((rng.uniform(2.0, 14.0), f) for f in faults if f in ("kill", "stop", "term"))

@@ -103,6 +103,18 @@ def run_spawned_pair(target, tmp_path: Path, scenario: str, timeout: float = 60)
     return [json.loads(o.read_text()) for o in outs], [p.pid for p in procs]
 
 
+def scratch_tmpdir(tag: str) -> tempfile.TemporaryDirectory:
+    """A temporary directory for one launch's TMPDIR, removed when the launch ends: torchrun
+    (a torchelastic_* log folder per run) and anything else that writes under TMPDIR and never
+    cleans up then leaves nothing in the machine's /tmp."""
+    return tempfile.TemporaryDirectory(prefix=f"spmd_launch_{tag}_")
+
+
+def with_tmpdir(env: dict[str, str], path: str) -> dict[str, str]:
+    """`env` with TMPDIR at `path` (a scratch_tmpdir), unless the test set a TMPDIR of its own."""
+    return env if "TMPDIR" in env else {**env, "TMPDIR": path}
+
+
 def unique_tag(name: str) -> str:
     """A launch tag no other test run on this machine can share."""
     return f"{name}-{uuid.uuid4().hex[:8]}"
@@ -112,9 +124,13 @@ def run_checked(cmd: list[str], name: str, timeout: float, **kwargs) -> subproce
     """subprocess.run of one command under a fresh tag, then the leftover check every launch gets:
     no process carrying the tag may survive it (survivors are killed and fail the test)."""
     tag = unique_tag(name)
-    proc = subprocess.run([str(c) for c in cmd], cwd=REPO, env=base_env(tag), capture_output=True, text=True,
-                          timeout=timeout, **kwargs)
-    left = _reap(tag)
+    scratch = scratch_tmpdir(tag)
+    try:
+        proc = subprocess.run([str(c) for c in cmd], cwd=REPO, env=with_tmpdir(base_env(tag), scratch.name),
+                              capture_output=True, text=True, timeout=timeout, **kwargs)
+        left = _reap(tag)
+    finally:
+        scratch.cleanup()
     assert not left, f"processes left behind by {cmd}: {left}"
     return proc
 
@@ -166,11 +182,8 @@ class Launch(subprocess.CompletedProcess):
         events (a kill, a signal) on what the launch has printed so far (`output_so_far`).
         `cwd`: where the commands run (tests of the docs run them in an install of their own)."""
         self.tag, self.timed_out = tag, False
-        # A temporary directory of the launch's own, removed when it ends: torchrun (its
-        # torchelastic_* log folders) and anything else that writes under TMPDIR and never
-        # cleans up leaves nothing in the machine's /tmp. A test that sets TMPDIR keeps its own.
-        scratch = tempfile.TemporaryDirectory(prefix=f"spmd_launch_{tag}_")
-        envs = [env if "TMPDIR" in env else {**env, "TMPDIR": scratch.name} for env in envs]
+        scratch = scratch_tmpdir(tag)
+        envs = [with_tmpdir(env, scratch.name) for env in envs]
         self._files = files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in cmds]
         self.procs = procs = [subprocess.Popen(cmd, env=env, cwd=cwd, stdout=out, stderr=err, text=True,
                                                start_new_session=True)
