@@ -3,6 +3,7 @@ optional reference packages are a failure (not a skip) under CI."""
 
 import importlib
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -49,3 +50,13 @@ def _clean_launcher_env(monkeypatch):
     for name in LAUNCHER_VARS:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+
+
+def pytest_sessionfinish(session):
+    """The run's shared inductor cache (tests/helpers/inductor_cache.py) goes when the run ends:
+    by the controller under xdist (it finishes after its workers), else by the one process."""
+    factory = getattr(session.config, "_tmp_path_factory", None)
+    if factory is None or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    from inductor_cache import shared_cache_dir
+    shutil.rmtree(shared_cache_dir(factory), ignore_errors=True)

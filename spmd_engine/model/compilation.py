@@ -266,16 +266,20 @@ class CompiledLayers:
 
     def _build(self, program, cos, sin, hidden, residual, decode, single: bool, is_decode: bool):
         """The package for this chunk length and kind (one token or more, decode or general):
-        from disk, or exported, built and saved now."""
+        from disk, or exported, built and saved now (or, if another process was building it,
+        from disk once it is done)."""
         chunk = program.chunk
         key = precompiled.digest(self.model_ref(), len(chunk), self.backend, self.mode, single, is_decode)
         path = precompiled.path_for(key)
-        package = precompiled.load(path)
-        if package is not None:
+        package, built = precompiled.load(path), False
+        if package is None:
+            with precompiled.build_lock(path) as waited:
+                package = precompiled.load(path) if waited else None  # what the other process saved
+                if package is None:
+                    example = _export_example(program, cos, sin, hidden, residual, decode, single)
+                    package, built = precompiled.build_and_save(program, *example, self.mode, path), True
+        if not built:
             self.loaded.append(str(path))
-        else:
-            package = precompiled.build_and_save(program, *_export_example(program, cos, sin, hidden, residual,
-                                                                             decode, single), self.mode, path)
         self.built[len(chunk), single, is_decode] = package
         return package
 

@@ -23,8 +23,11 @@ the graph's kind (one token or more, decode or general), backend and mode. Any c
 file. What the package needs of its inputs (dtype, rank, fixed sizes, contiguity, the token
 count: >= 2, or exactly 1 for the one-token graph) is written into its metadata and checked
 before every call (`Package.accepts`); a call it refuses runs eager. A file that cannot be read
-is built afresh and replaced; files are written to a temporary name and renamed, so TP ranks
-saving the same chunk at once cannot corrupt it.
+is built afresh and replaced; files are written to a temporary name and renamed, so no reader
+ever sees half a file. Processes on one machine that need the same package (TP ranks and PP
+stages of one shape, DP replicas, two jobs) build it once: the builder holds a lock on the file's
+name (`build_lock`), the others wait for it and then load what it saved, instead of all
+compiling the same graph at once on the same cores.
 
 A package is native code that the engine loads and runs: whoever can write the inductor cache
 directory can run code in the engine, as with inductor's own cached kernels there
@@ -33,6 +36,8 @@ directory can run code in the engine, as with inductor's own cached kernels ther
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import getpass
 import hashlib
@@ -43,6 +48,7 @@ import platform
 import re
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -155,6 +161,32 @@ class Package:
         """The first `leading` inputs (weights, caches) of an accepted call: the same objects next
         time need no fixed-size checks."""
         self._fixed, self._last = leading, list(flat[:leading])
+
+
+@contextlib.contextmanager
+def build_lock(path: Path):
+    """Hold the lock on building `path`; yields whether another process held it first (then
+    it has probably saved the package: load before building). An flock, so a builder that dies
+    releases it; without a writable cache folder there is nothing to share and no lock."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        yield False
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            waited = False
+        except BlockingIOError:
+            start = time.monotonic()
+            logger.info("compiled forward: another process is building %s; waiting for it", path.name)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            waited = True
+            logger.info("compiled forward: waited %.1f s for %s", time.monotonic() - start, path.name)
+        yield waited
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def load(path: Path) -> Package | None:

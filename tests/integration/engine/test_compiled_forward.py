@@ -4,8 +4,8 @@ The suite runs eager (tests/conftest.py sets SPMD_ENGINE_ENFORCE_EAGER=1); these
 the compiled forward explicitly, on a tiny model, most with `min_tokens=2` (one graph fewer
 to build than the default, 1). Decode-shaped steps (one new token per request, all cached)
 run a graph of their own, with attention traced (attention.decode_attention). One
-inductor cache for the module, removed afterwards: the first engine builds each graph's
-AOTInductor package there (model/precompiled.py), the others load it. References: the same
+inductor cache for the whole run (tests/helpers/inductor_cache.py): the first engine to need a
+graph builds its AOTInductor package there (model/precompiled.py), every later one loads it. References: the same
 engine eager, token for token; dynamo's counters for "never traced".
 """
 
@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 
 import pytest
 
 from spmd_engine import LLM, SamplingParams
 from tests.helpers.engine_helpers import make_tiny_checkpoint
+from tests.helpers.inductor_cache import inductor_cache_env, shared_cache_dir
 
 COMPILED = dict(enforce_eager=False, compilation_config={"level": 3, "min_tokens": 2})
 
@@ -32,17 +31,10 @@ def tiny(tmp_path_factory):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def inductor_cache():
-    """Inherited by mp workers (spawned with this environment)."""
-    path = tempfile.mkdtemp(prefix="spmd_test_inductor_")
-    previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
-    yield path
-    if previous is None:
-        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-    else:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
-    shutil.rmtree(path, ignore_errors=True)
+def inductor_cache(tmp_path_factory):
+    """The run's shared cache (tests/helpers/inductor_cache.py), inherited by mp workers."""
+    with inductor_cache_env(shared_cache_dir(tmp_path_factory)) as path:
+        yield path
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -159,7 +151,9 @@ def test_batch_invariant_runs_eager_and_says_so(tiny, caplog):
 
 @pytest.mark.timeout(180)
 def test_mp_tp2_compiled_equals_eager(tiny):
-    """Real worker processes, the all-reduce (shared memory) between them outside the graph."""
+    """Real worker processes, the all-reduce (shared memory) between them outside the graph.
+    The two ranks' shards have one shape, so they need the same two packages: each is built by
+    one rank at most while the other waits for it and loads it (precompiled.build_lock)."""
     tp2 = dict(model=str(tiny), tensor_parallel_size=2, distributed_executor_backend="mp", timeout_s=120)
     with LLM(**tp2, enforce_eager=True) as llm:
         want = greedy(llm, BATCHES[1:3])
@@ -167,6 +161,8 @@ def test_mp_tp2_compiled_equals_eager(tiny):
         assert greedy(llm, BATCHES[1:3]) == want
         stats = runner_stats(llm)
         assert stats["compiled_graphs"] == 2 and stats["compile_seconds"] > 0, stats
+        loaded = llm.collective_rpc(lambda worker: len(worker.model_runner.model.compiled_layers.loaded))
+        assert len(loaded) == 2 and sum(2 - n for n in loaded) <= 2, loaded  # built by one rank, not both
 
 
 @pytest.mark.timeout(180)

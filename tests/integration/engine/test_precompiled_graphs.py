@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import subprocess
 import sys
 
@@ -20,6 +21,7 @@ import torch
 from spmd_engine import LLM, SamplingParams
 from spmd_engine.model import precompiled
 from tests.helpers.engine_helpers import make_tiny_checkpoint
+from tests.helpers.inductor_cache import inductor_cache_env, shared_cache_dir
 
 CONFIG = {"level": 3, "min_tokens": 2}
 PROMPTS = [[(7 * i + 13 * j) % 297 + 3 for j in range(5 + 9 * i)] for i in range(3)]
@@ -92,10 +94,16 @@ def test_a_fresh_process_loads_the_saved_graph_and_equals_eager(tiny, cache):
 
 
 @pytest.mark.timeout(240)
-def test_an_unreadable_saved_graph_is_compiled_again_and_replaced(tiny, cache, caplog):
+def test_an_unreadable_saved_graph_is_compiled_again_and_replaced(tiny, cache, caplog, tmp_path_factory):
     want = eager_tokens(tiny)
-    with LLM(model=str(tiny), enforce_eager=False, compilation_config=CONFIG) as llm:
-        assert greedy(llm) == want
+    with inductor_cache_env(shared_cache_dir(tmp_path_factory)):  # the run's packages, seeded into ours
+        with LLM(model=str(tiny), enforce_eager=False, compilation_config=CONFIG) as llm:
+            assert greedy(llm) == want
+            compiled = llm.llm_engine.model_executor.driver_worker.model_runner.model.compiled_layers
+            built = [package.path for package in compiled.built.values()]
+    (cache / precompiled.FOLDER).mkdir(parents=True)
+    for package in built:
+        shutil.copy(package, cache / precompiled.FOLDER / package.name)
     path = saved(cache)[0]
     path.write_bytes(b"not a compiled function")
     with caplog.at_level(logging.WARNING, logger="spmd_engine"):
@@ -121,11 +129,12 @@ def _model(tiny, dtype=torch.float32):
 
 @pytest.mark.timeout(240)
 @torch.inference_mode()
-def test_inputs_the_package_refuses_run_eager(tiny, cache):
+def test_inputs_the_package_refuses_run_eager(tiny, tmp_path_factory, monkeypatch):
     """A hidden state with other strides than the graph was built for (a view of every other
     column), through the compiled layers directly: refused by the package's input checks, it runs eager, with
     eager's bits, and is counted."""
     from spmd_engine.model.layers.attention import AttentionMetadata
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(shared_cache_dir(tmp_path_factory)))
     model = _model(tiny)
     model.compile_layers(min_tokens=2)
     compiled = model.compiled_layers

@@ -4,11 +4,17 @@ A package is native code built for fixed dtypes, ranks, sizes and contiguity; ca
 anything else it reads memory wrongly rather than failing. So `Package.accepts` is the only
 thing between a step and a wrong answer, and each refusal here is one kind of input that must
 run eager instead. The spec is a real one's form: weights, caches, then the step's tensors.
+Where a package is kept: inductor's cache folder, built there once by whichever process gets the
+build lock first.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import tempfile
+import time
 
 import pytest
 import torch
@@ -97,6 +103,40 @@ def test_the_cache_directory_is_inductors_own_without_importing_it(tmp_path, mon
     from torch._inductor.runtime.cache_dir_utils import cache_dir
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "x")  # so that teardown undoes what inductor sets
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # inductor makes the folder: not in /tmp
     assert str(precompiled.cache_dir()) == cache_dir()  # inductor's call sets the variable: ours first
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "rel" / ".." / "ind"))
     assert str(precompiled.cache_dir()) == cache_dir()
+
+
+_HOLDER = r"""
+import sys, time
+from pathlib import Path
+from spmd_engine.model import precompiled
+with precompiled.build_lock(Path(sys.argv[1])):
+    print("held", flush=True)
+    time.sleep(float(sys.argv[2]))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_package_being_built_elsewhere_is_waited_for_and_a_dead_builder_releases_it(tmp_path):
+    path = tmp_path / "cache" / "key.pt2"
+    with precompiled.build_lock(path) as waited:
+        assert not waited
+    for seconds, kill in ((2.0, False), (300.0, True)):
+        holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(path), str(seconds)], stdout=subprocess.PIPE,
+                                  text=True)
+        try:
+            assert holder.stdout.readline().strip() == "held"
+            if kill:  # a builder that dies mid-build must not leave every later start waiting
+                holder.kill()
+                holder.wait()
+            start = time.monotonic()
+            with precompiled.build_lock(path) as waited:
+                assert waited is not kill
+                assert (time.monotonic() - start > 1.0) is not kill
+        finally:
+            holder.kill()
+            holder.wait()
+            holder.stdout.close()
