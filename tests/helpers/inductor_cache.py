@@ -10,7 +10,6 @@ tests that need a cold build (test_precompiled_graphs.py) keep a cache of their 
 
 from __future__ import annotations
 
-import contextlib
 import os
 from pathlib import Path
 
@@ -20,17 +19,3 @@ FOLDER = "shared_inductor_cache"
 def shared_cache_dir(tmp_path_factory) -> Path:
     base = tmp_path_factory.getbasetemp()
     return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / FOLDER
-
-
-@contextlib.contextmanager
-def inductor_cache_env(path: Path):
-    """TORCHINDUCTOR_CACHE_DIR at `path` while the block runs (mp workers and children inherit it)."""
-    previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
-    try:
-        yield path
-    finally:
-        if previous is None:
-            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-        else:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous

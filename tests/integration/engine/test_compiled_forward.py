@@ -20,7 +20,7 @@ import pytest
 
 from spmd_engine import LLM, SamplingParams
 from tests.helpers.engine_helpers import make_tiny_checkpoint
-from tests.helpers.inductor_cache import inductor_cache_env, shared_cache_dir
+from tests.helpers.inductor_cache import shared_cache_dir
 
 COMPILED = dict(enforce_eager=False, compilation_config={"level": 3, "min_tokens": 2})
 
@@ -33,8 +33,9 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module", autouse=True)
 def inductor_cache(tmp_path_factory):
     """The run's shared cache (tests/helpers/inductor_cache.py), inherited by mp workers."""
-    with inductor_cache_env(shared_cache_dir(tmp_path_factory)) as path:
-        yield path
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(shared_cache_dir(tmp_path_factory)))
+        yield
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:

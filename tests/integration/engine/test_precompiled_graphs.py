@@ -21,7 +21,7 @@ import torch
 from spmd_engine import LLM, SamplingParams
 from spmd_engine.model import precompiled
 from tests.helpers.engine_helpers import make_tiny_checkpoint
-from tests.helpers.inductor_cache import inductor_cache_env, shared_cache_dir
+from tests.helpers.inductor_cache import shared_cache_dir
 
 CONFIG = {"level": 3, "min_tokens": 2}
 PROMPTS = [[(7 * i + 13 * j) % 297 + 3 for j in range(5 + 9 * i)] for i in range(3)]
@@ -94,13 +94,15 @@ def test_a_fresh_process_loads_the_saved_graph_and_equals_eager(tiny, cache):
 
 
 @pytest.mark.timeout(240)
-def test_an_unreadable_saved_graph_is_compiled_again_and_replaced(tiny, cache, caplog, tmp_path_factory):
+def test_an_unreadable_saved_graph_is_compiled_again_and_replaced(tiny, cache, caplog, tmp_path_factory,
+                                                                  monkeypatch):
     want = eager_tokens(tiny)
-    with inductor_cache_env(shared_cache_dir(tmp_path_factory)):  # the run's packages, seeded into ours
-        with LLM(model=str(tiny), enforce_eager=False, compilation_config=CONFIG) as llm:
-            assert greedy(llm) == want
-            compiled = llm.llm_engine.model_executor.driver_worker.model_runner.model.compiled_layers
-            built = [package.path for package in compiled.built.values()]
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(shared_cache_dir(tmp_path_factory)))  # seeds ours
+    with LLM(model=str(tiny), enforce_eager=False, compilation_config=CONFIG) as llm:
+        assert greedy(llm) == want
+        compiled = llm.llm_engine.model_executor.driver_worker.model_runner.model.compiled_layers
+        built = [package.path for package in compiled.built.values()]
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
     (cache / precompiled.FOLDER).mkdir(parents=True)
     for package in built:
         shutil.copy(package, cache / precompiled.FOLDER / package.name)
