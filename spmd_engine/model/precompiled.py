@@ -126,6 +126,8 @@ class Package:
                       for dtype, device, sizes, any_layout in spec]
         self._fixed = 0  # inputs, from the first, that were accepted as the same objects last time
         self._last: list = []
+        self._fixed_bound: dict[str, int] = {}  # the dynamic sizes those inputs had then, by name
+        self._intact = False  # the last accepts() found them the same objects
 
     def __call__(self, flat: list) -> list:
         return self._loader.run(flat)
@@ -134,33 +136,41 @@ class Package:
         """Dtype, device, rank, every fixed size, contiguity (not for a packed weight's place),
         dynamic sizes at their minimum and equal where they share a name. The weights and caches
         (a list's leading inputs) are checked again only when one is another object than last
-        time."""
+        time; until then the dynamic sizes they had (a cache's block count) stand for them: the
+        engine never resizes a tensor in place."""
         if len(flat) != len(self._spec):
             return False
         lead = self._fixed
-        if lead and not all(a is b for a, b in zip(flat[:lead], self._last)):
+        self._intact = bool(lead) and all(a is b for a, b in zip(flat[:lead], self._last))
+        if not self._intact:
             lead = 0
-        bound: dict[str, int] = {}
-        for i in range(len(flat)):
+        return self._check(flat, range(lead, len(flat)), dict(self._fixed_bound) if lead else {}) is not None
+
+    def _check(self, flat: list, indices, bound: dict[str, int]) -> dict[str, int] | None:
+        """The dynamic sizes bound by `indices`' inputs (on top of `bound`), or None if one is
+        not what the package was built for."""
+        for i in indices:
             t, (dtype, device, sizes, any_layout) = flat[i], self._spec[i]
-            if i < lead and not any(isinstance(s, str) for s in sizes):
-                continue
             if t.dtype != dtype or t.device.type != device or t.dim() != len(sizes):
-                return False
+                return None
             if not (any_layout or t.is_contiguous()):
-                return False
+                return None
             for want, got in zip(sizes, t.shape):
                 if isinstance(want, str):
                     if bound.setdefault(want, got) != got or got < _MIN[want]:
-                        return False
+                        return None
                 elif want != got:
-                    return False
-        return True
+                    return None
+        return bound
 
     def remember(self, flat: list, leading: int) -> None:
         """The first `leading` inputs (weights, caches) of an accepted call: the same objects next
-        time need no fixed-size checks."""
+        time need no checks."""
+        if self._intact and leading == self._fixed:
+            return
         self._fixed, self._last = leading, list(flat[:leading])
+        self._fixed_bound = self._check(flat, range(leading), {}) or {}
+        self._intact = False
 
 
 @contextlib.contextmanager

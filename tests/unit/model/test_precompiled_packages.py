@@ -140,3 +140,18 @@ def test_a_package_being_built_elsewhere_is_waited_for_and_a_dead_builder_releas
             holder.kill()
             holder.wait()
             holder.stdout.close()
+
+
+def test_a_size_named_by_a_weight_or_cache_seen_before_still_binds_the_step_inputs():
+    """Skipping the cache's check must not skip what its block count says of the step's tensors
+    (here a last input that must have as many rows as the cache has blocks)."""
+    example = _inputs()
+    example[4] = torch.zeros(5, dtype=torch.long)
+    spec = [precompiled._entry(t, d, False) for t, d in zip(example, [None, None, {0: "NB"}, {0: "N"}, {0: "NB"}])]
+    package = precompiled.Package("p.pt2", _Loader(spec))
+    assert package.accepts(example)
+    package.remember(example, leading=3)
+    for _ in range(2):  # the first call after remember() and every one after it
+        assert package.accepts(example[:4] + [torch.zeros(5, dtype=torch.long)])
+        assert not package.accepts(example[:4] + [torch.zeros(6, dtype=torch.long)])
+        package.remember(example, leading=3)
