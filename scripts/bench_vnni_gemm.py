@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -128,6 +129,8 @@ def main() -> None:
     args = ap.parse_args()
     if not cpu_has_avx512_bf16():
         sys.exit("bench_vnni_gemm: this CPU has no avx512_bf16 (see /proc/cpuinfo); the kernel needs it")
+    if shutil.which("g++") is None:
+        sys.exit("bench_vnni_gemm: no g++ on PATH; the kernel is built with it")
     threads = sorted({int(t) for t in args.threads.split(",")})
     rows = [int(r) for r in args.rows.split(",")]
     with tempfile.TemporaryDirectory(prefix="vnni_gemm_") as folder:

@@ -4,13 +4,16 @@ engine requests and steps, collective_rpc, mp PP stages) in --quick mode, one re
 Nothing here is a timing check (timing belongs in the benchmark itself): the test asserts
 that every figure is emitted once, as the JSON line docs/performance.md's tables are built
 from, with positive finite numbers. A figure that rots with the engine's internals fails
-here, not in the next session's benchmark run (the chunked-prefill figure once did, unseen)."""
+here, not in the next session's benchmark run (the chunked-prefill figure once did, unseen).
+scripts/bench_vnni_gemm.py, the decode GEMM kernel's benchmark, is run small for its output check."""
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
 import sys
+from pathlib import Path
 
 import pytest
 from launch import REPO, run_checked
@@ -57,3 +60,17 @@ def test_the_figure_check_rejects_a_missing_or_broken_figure():
         check_figures(good[1:])
     with pytest.raises(AssertionError):
         check_figures(good[:-1] + [dict(good[-1], ratio=float("nan"))])
+
+
+@pytest.mark.timeout(300)
+def test_the_decode_gemm_kernel_builds_and_its_outputs_check_out():
+    """scripts/bench_vnni_gemm.py builds the AVX512-BF16 kernel and checks every output against
+    an fp32 matmul before it times anything; one small run here, where the CPU can run it."""
+    if "avx512_bf16" not in Path("/proc/cpuinfo").read_text().split() or shutil.which("g++") is None:
+        pytest.skip("the kernel needs a CPU with avx512_bf16 and g++")
+    proc = run_checked([sys.executable, REPO / "scripts" / "bench_vnni_gemm.py", "--rows", "1,3,8,11", "--threads", "1",
+                        "--reps", "1", "--pool-mib", "4"], "vnni-gemm", timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    figures = figures_of(proc.stdout)
+    assert len(figures) == 5 * 4 + 4, [f["name"] for f in figures]  # 5 matrices x 4 row counts, 4 step sums
+    assert all(math.isfinite(f["ratio"]) and f["ratio"] > 0 for f in figures)
