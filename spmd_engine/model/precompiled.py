@@ -144,7 +144,9 @@ class Package:
         self._intact = bool(lead) and all(a is b for a, b in zip(flat[:lead], self._last))
         if not self._intact:
             lead = 0
-        return self._check(flat, range(lead, len(flat)), dict(self._fixed_bound) if lead else {}) is not None
+        accepted = self._check(flat, range(lead, len(flat)), dict(self._fixed_bound) if lead else {}) is not None
+        self._intact = self._intact and accepted  # remember() after a refusal looks at its inputs afresh
+        return accepted
 
     def _check(self, flat: list, indices, bound: dict[str, int]) -> dict[str, int] | None:
         """The dynamic sizes bound by `indices`' inputs (on top of `bound`), or None if one is
