@@ -13,7 +13,6 @@ import json
 import math
 import shutil
 import sys
-from pathlib import Path
 
 import pytest
 from launch import REPO, run_checked
@@ -66,7 +65,8 @@ def test_the_figure_check_rejects_a_missing_or_broken_figure():
 def test_the_decode_gemm_kernel_builds_and_its_outputs_check_out():
     """scripts/bench_vnni_gemm.py builds the AVX512-BF16 kernel and checks every output against
     an fp32 matmul before it times anything; one small run here, where the CPU can run it."""
-    if "avx512_bf16" not in Path("/proc/cpuinfo").read_text().split() or shutil.which("g++") is None:
+    from spmd_engine.model.loader import cpu_flags
+    if "avx512_bf16" not in cpu_flags() or shutil.which("g++") is None:
         pytest.skip("the kernel needs a CPU with avx512_bf16 and g++")
     proc = run_checked([sys.executable, REPO / "scripts" / "bench_vnni_gemm.py", "--rows", "1,3,8,11", "--threads", "1",
                         "--reps", "1", "--pool-mib", "4"], "vnni-gemm", timeout=280)
