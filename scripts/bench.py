@@ -244,18 +244,19 @@ def matmul_seconds(llm, rows: int, reps: int = 20) -> dict[str, float]:
     weights) on `rows` rows, by module name, timed in model order with nothing else running."""
     import torch
 
-    from spmd_engine.model.layers.packed_weights import linear
+    from spmd_engine.model.layers.packed_weights import dense_shape, linear
     model = llm.llm_engine.model_executor.driver_worker.model_runner.model
     weights = {name: m.weight for name, m in model.named_modules() if getattr(m, "packable_weight", False)}
-    inputs = {w.shape[1]: torch.randn(rows, w.shape[1]).to(w.dtype) for w in weights.values()}
+    width = {name: dense_shape(w)[1] for name, w in weights.items()}  # in_features, whatever the layout
+    inputs = {k: torch.randn(rows, k).to(model.dtype) for k in width.values()}
     seconds = dict.fromkeys(weights, 0.0)
     with torch.inference_mode():
-        for w in weights.values():
-            linear(inputs[w.shape[1]], w)
+        for name, w in weights.items():
+            linear(inputs[width[name]], w)
         for _ in range(reps):
             for name, w in weights.items():
                 t = time.perf_counter()
-                linear(inputs[w.shape[1]], w)
+                linear(inputs[width[name]], w)
                 seconds[name] += time.perf_counter() - t
     return {name: t / reps for name, t in seconds.items()}
 

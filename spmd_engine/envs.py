@@ -19,6 +19,7 @@ PP_PARTITION = "SPMD_ENGINE_PP_PARTITION"
 DP_WAVES = "SPMD_ENGINE_DP_WAVES"
 WORKER_MULTIPROC_METHOD = "SPMD_ENGINE_WORKER_MULTIPROC_METHOD"
 CPU_PACKED_WEIGHTS = "SPMD_ENGINE_CPU_PACKED_WEIGHTS"
+CPU_BF16_GEMM = "SPMD_ENGINE_CPU_BF16_GEMM"
 DISABLE_SHM_ALLREDUCE = "SPMD_ENGINE_DISABLE_SHM_ALLREDUCE"
 DISABLE_SHM_HANDOFF = "SPMD_ENGINE_DISABLE_SHM_HANDOFF"
 CPU_BF16 = "SPMD_ENGINE_CPU_BF16"
@@ -65,6 +66,16 @@ def worker_multiproc_method(environ: Mapping[str, str] = os.environ) -> str:
 def cpu_packed_weights(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether CPU linear weights may be packed for oneDNN ("0" turns it off)."""
     return environ.get(CPU_PACKED_WEIGHTS, "1") != "0"
+
+
+def cpu_bf16_gemm(environ: Mapping[str, str] = os.environ) -> str:
+    """Which kernel packed bf16 linear weights are for on CPU: "auto" (default: the AVX512-BF16
+    kernel of model/layers/vnni_gemm.py where it builds and checks out, else oneDNN), "onednn",
+    or "vnni" (that kernel, or an error saying why not)."""
+    raw = environ.get(CPU_BF16_GEMM, "auto") or "auto"
+    if raw not in ("auto", "onednn", "vnni"):
+        raise ConfigError(f"{CPU_BF16_GEMM}={raw!r}: expected 'auto', 'onednn' or 'vnni'")
+    return raw
 
 
 def enforce_eager(environ: Mapping[str, str] = os.environ) -> bool:

@@ -17,7 +17,7 @@ Three things inside a layer are opaque to the compiler, each a custom op with a 
   - `spmd_engine::attention`: the paged KV-cache write and the attention read, given the
     step's AttentionMetadata through `forward_context` (Python lists and dataclasses, never
     traced: a step's metadata is not a guard, so a new batch does not recompile);
-  - `spmd_engine::linear`: the matmul, packed weight (oneDNN) or not: inductor cannot read a
+  - `spmd_engine::linear`: the matmul, packed weight (oneDNN or vnni_gemm) or not: inductor cannot read a
     packed tensor, and traced, a packed weight looks like a plain one;
   - `spmd_engine::all_reduce`: the TP sum over our shared-memory path (distributed/), never
     traced: the group is looked up by a number fixed at set-up.
@@ -138,7 +138,8 @@ def _attention_fake(q, k, v, k_cache, v_cache, scale):
 
 @torch.library.register_fake("spmd_engine::linear")
 def _linear_fake(x, weight, bias):
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
+    out_features = weight.shape[0] * 16 if weight.dim() == 4 else weight.shape[0]  # vnni_gemm.pack's blocks
+    return x.new_empty(*x.shape[:-1], out_features)
 
 
 @torch.library.register_fake("spmd_engine::all_reduce")

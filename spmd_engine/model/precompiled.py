@@ -99,7 +99,8 @@ def digest(model, chunk_length: int, backend: str, mode: str | None, single: boo
     of one-token steps; `decode`: of decode-shaped steps (attention traced)."""
     from spmd_engine.model.layers.linear import RowParallelLinear
     first = next(iter(model.model.layers.values()))
-    packed = tuple(m.weight.is_mkldnn for m in first.modules() if getattr(m, "packable_weight", False))
+    from spmd_engine.model.layers.packed_weights import layout
+    packed = tuple(layout(m.weight) for m in first.modules() if getattr(m, "packable_weight", False))
     groups = tuple(getattr(m, "compile_group", None) for m in model.modules() if isinstance(m, RowParallelLinear))
     facts = ("aoti", torch.__version__, sys.version, platform.machine(), torch.backends.cpu.get_cpu_capability(),
              torch.get_num_threads(), _source_digest(), repr(model.spec), str(model.dtype), model.device.type,

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import torch
 from torch import nn
 
+from spmd_engine.model.layers.packed_weights import dense_shape, dense_weight, is_packed
 from spmd_engine.model.models.moe_block import hf_names, moe_tensor_shapes
 from spmd_engine.model.shard import Loaded
 from spmd_engine.model.spec import ModelSpec
@@ -119,10 +120,10 @@ class CausalLMWeights:
                     module_name, _, attr = param_name.rpartition(".")
                     module = self.get_submodule(module_name)
                     param = getattr(module, attr)
-                    if param.is_mkldnn:
+                    if is_packed(param):
                         param = dense.get(module)
                         if param is None:
-                            param = dense[module] = getattr(module, attr).to_dense()
+                            param = dense[module] = dense_weight(getattr(module, attr))
                     with torch.no_grad():
                         module.weight_loader(param, tensor.detach(), shard_id)
                     loaded.add(name)
@@ -202,8 +203,8 @@ class CausalLMWeights:
             return
         discarded = []
         for module, attr, param in self._unique_parameters():
-            discarded.append((module, attr, tuple(param.shape), param.dtype, param.device, param.is_mkldnn))
-            if param.is_mkldnn:  # a packed tensor's storage cannot be swapped: replace the Parameter
+            discarded.append((module, attr, dense_shape(param), param.dtype, param.device, is_packed(param)))
+            if is_packed(param):  # an oneDNN tensor's storage cannot be swapped: replace the Parameter
                 module._parameters[attr] = nn.Parameter(torch.empty(0, dtype=param.dtype), requires_grad=False)
             else:  # keeps a tied embedding and head one Parameter
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import Counter
 
 import torch
 
@@ -50,7 +51,7 @@ class ModelRunner:
 
     # -- start-up ---------------------------------------------------------------
     def load_model(self) -> None:
-        from spmd_engine.model.layers.packed_weights import pack_linear_weights, packing_applies
+        from spmd_engine.model.layers.packed_weights import layout, pack_linear_weights, packing_applies
         from spmd_engine.model.loader import load_model
         mc = self.config.model_config
         self.model = load_model(mc.model_dir, self.tp_group, self.pp_group, dtype=mc.dtype,
@@ -59,7 +60,9 @@ class ModelRunner:
         if packing_applies(self.model.dtype, self.device, mc.batch_invariant):
             packed = pack_linear_weights(self.model, batch_hint=self.config.scheduler_config.max_num_seqs,
                                          batch_invariant=mc.batch_invariant)
-            logger.debug("%d linear weights packed for oneDNN", packed)
+            kernels = Counter(layout(m.weight) for m in self.model.modules() if getattr(m, "packable_weight", False))
+            logger.debug("%d linear weights packed: %s", packed,
+                         ", ".join(f"{n} for {k}" for k, n in sorted(kernels.items())))
         if mc.enable_return_routed_experts:
             self.model.record_routing()
         cc = self.config.compilation_config

@@ -13,7 +13,9 @@ tests/unit/model/test_packed_weights.py checks both.
 A packed weight replaces the layer's `weight` Parameter (an mkldnn-layout
 tensor of the same logical shape and dtype, so the dense copy is freed and
 `weight.to_dense()` gives it back); `linear` picks the matmul by layout, so a
-layer works the same packed or not.
+layer works the same packed or not. bf16 weights on CPUs with AVX512-BF16 go to a
+hand-written kernel instead (vnni_gemm.py: faster at decode sizes), packed into a
+plain 4-D tensor; `layout`, `dense_weight` and `dense_shape` answer for either kind.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spmd_engine import envs
+from spmd_engine.model.layers import vnni_gemm
 
 # Set to 0 to keep plain row-major weights (for comparison, or to rule packing out).
 ENV_FLAG = envs.CPU_PACKED_WEIGHTS
@@ -43,7 +46,28 @@ def eager_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """`linear` when not tracing: also the body of the compiled graph's spmd_engine::linear op."""
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    if weight.dim() == 4:
+        return vnni_gemm.linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def layout(weight: torch.Tensor) -> str:
+    """"onednn", "vnni" or "dense": which kernel a linear weight is packed for."""
+    return "onednn" if weight.is_mkldnn else "vnni" if weight.dim() == 4 else "dense"
+
+
+def is_packed(weight: torch.Tensor) -> bool:
+    return layout(weight) != "dense"
+
+
+def dense_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The row-major [out, in] weight of a packed one (a new tensor), or the weight itself."""
+    kind = layout(weight)
+    return weight.to_dense() if kind == "onednn" else vnni_gemm.unpack(weight) if kind == "vnni" else weight
+
+
+def dense_shape(weight: torch.Tensor) -> tuple[int, ...]:
+    return vnni_gemm.dense_shape(weight) if layout(weight) == "vnni" else tuple(weight.shape)
 
 
 def packing_applies(dtype: torch.dtype, device: torch.device, batch_invariant: bool = False) -> bool:
@@ -103,17 +127,29 @@ def pack_linear_weights(model: nn.Module, batch_hint: int, batch_invariant: bool
             module.pack_experts(batch_hint)
             packed += 1
             continue
-        if not getattr(module, "packable_weight", False) or module.weight.is_mkldnn:
+        if not getattr(module, "packable_weight", False) or is_packed(module.weight):
             continue
         module.packed_batch_hint = batch_hint
+        module.packed_layout = _layout_for(module.weight, batch_invariant)
         repack(module, module.weight.detach())
         packed += 1
     return packed
+
+
+def _layout_for(weight: torch.Tensor, batch_invariant: bool) -> str:
+    """The hand-written kernel for bf16 weights it fits, outside batch-invariant mode (whose
+    tiles and bits are oneDNN's, docs/batch-invariant.md); oneDNN for the rest."""
+    if batch_invariant or weight.dtype != torch.bfloat16 or not vnni_gemm.fits(*weight.shape):
+        return "onednn"
+    return "vnni" if vnni_gemm.wanted() else "onednn"
 
 
 def repack(module: nn.Module, dense: torch.Tensor) -> None:
     """Make `dense` (the full local weight, row-major) `module`'s packed weight again: after
     an in-place update, which writes into `weight.to_dense()` (packed tensors cannot be
     sliced)."""
-    module.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(dense, module.packed_batch_hint),
-                                 requires_grad=False)
+    if getattr(module, "packed_layout", "onednn") == "vnni":
+        packed = vnni_gemm.pack(dense)
+    else:
+        packed = torch.ops.mkldnn._reorder_linear_weight(dense, module.packed_batch_hint)
+    module.weight = nn.Parameter(packed, requires_grad=False)

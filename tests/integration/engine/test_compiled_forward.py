@@ -194,3 +194,26 @@ def test_weights_swapped_under_the_graph_are_read(tiny, tmp_path):
         llm.wake_up()
         assert greedy(llm, BATCHES[1:3]) == want
         assert runner_stats(llm)["compiled_graphs"] == 2
+
+
+@pytest.mark.timeout(240)
+def test_bf16_weights_packed_for_the_avx512_kernel_run_in_the_graph(tmp_path, monkeypatch):
+    """A bf16 model's weights in the hand-written kernel's layout (4-D, model/layers/vnni_gemm.py)
+    pass through the export and the saved graph to the kernel, in packages of their own, and
+    decode the tokens the oneDNN-packed graph decodes (bitwise equal matmuls at these sizes:
+    tests/unit/model/test_vnni_gemm.py). Skipped where the kernel is unavailable."""
+    from spmd_engine.model.layers import vnni_gemm
+    from spmd_engine.model.layers.packed_weights import layout
+    if vnni_gemm.unavailable() is not None:
+        pytest.skip(f"the kernel is unavailable here: {vnni_gemm.unavailable()}")
+    bf16 = make_tiny_checkpoint(tmp_path / "bf16", vocab_size=320, dtype="bfloat16")  # 320: the head fits too
+    got = {}
+    for kernel in ("onednn", "vnni"):
+        monkeypatch.setenv("SPMD_ENGINE_CPU_BF16_GEMM", kernel)
+        with LLM(model=str(bf16), **COMPILED) as llm:
+            layouts = llm.collective_rpc(lambda w: (str(w.model_runner.model.dtype), sorted(
+                {layout(m.weight) for m in w.model_runner.model.modules() if getattr(m, "packable_weight", False)})))
+            assert layouts == [("torch.bfloat16", [kernel])], layouts
+            got[kernel] = greedy(llm, BATCHES[1:3])
+            assert runner_stats(llm)["compiled_graphs"] == 2
+    assert got["vnni"] == got["onednn"]

@@ -16,7 +16,15 @@ from model_helpers import LLAMA, QWEN_TIED, make_random_checkpoint, run_schedule
 
 from spmd_engine import LLM, SamplingParams
 from spmd_engine.model import load_model
-from spmd_engine.model.layers.packed_weights import ENV_FLAG, pack_linear_weights, packing_applies
+from spmd_engine.model.layers import vnni_gemm
+from spmd_engine.model.layers.packed_weights import (
+    ENV_FLAG,
+    dense_weight,
+    is_packed,
+    layout,
+    pack_linear_weights,
+    packing_applies,
+)
 
 BF16_KERNELS = packing_applies(torch.bfloat16, torch.device("cpu"))
 needs_bf16 = pytest.mark.skipif(not BF16_KERNELS, reason="this CPU's oneDNN has no bf16 kernels")
@@ -67,11 +75,15 @@ def test_packing_replaces_each_dense_weight_and_keeps_its_values(checkpoints, dt
     assert pack_linear_weights(model, batch_hint=8) == len(packable) == 4 * 4 + 1
     for name, dense in packable.items():
         weight = model.get_submodule(name).weight
-        assert weight.is_mkldnn and weight.dtype == dtype and weight.shape == dense.shape, name
-        assert torch.equal(weight.to_dense(), dense), name
+        # bf16 goes to the AVX512-BF16 kernel where this CPU has it and the shape fits it
+        vnni = dtype == torch.bfloat16 and vnni_gemm.unavailable() is None and vnni_gemm.fits(*dense.shape)
+        assert layout(weight) == ("vnni" if vnni else "onednn"), name
+        assert weight.dtype == dtype and weight.shape == (dense.shape if not vnni else
+                                                          (dense.shape[0] // 16, dense.shape[1] // 2, 16, 2)), name
+        assert torch.equal(dense_weight(weight), dense), name
     # The tied embedding keeps its dense table for lookups; the head got a packed copy.
-    assert model.model.embed_tokens.weight is embedding and not embedding.is_mkldnn
-    assert torch.equal(model.lm_head.weight.to_dense(), embedding)
+    assert model.model.embed_tokens.weight is embedding and not is_packed(embedding)
+    assert torch.equal(dense_weight(model.lm_head.weight), embedding)
     assert pack_linear_weights(model, batch_hint=8) == 0  # packing twice is a no-op
 
 
@@ -90,7 +102,7 @@ def _generate(dtype: str) -> tuple[list[list[int]], list[bool]]:
     try:
         outs = llm.generate(["Beautiful is", "Errors should", "Now is", "If the"],
                             SamplingParams(max_tokens=24, temperature=0.0))
-        packed = llm.collective_rpc(lambda worker: worker.model.lm_head.weight.is_mkldnn)
+        packed = llm.collective_rpc(lambda worker: is_packed(worker.model.lm_head.weight))
     finally:
         llm.shutdown()
     return [o.outputs[0].token_ids for o in outs], packed

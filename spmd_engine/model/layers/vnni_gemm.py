@@ -1,0 +1,149 @@
+"""The bf16 decode GEMM of kernels/vnni_gemm.cpp: built once per machine, loaded, checked.
+
+On CPUs with AVX512-BF16, oneDNN's packed bf16 call costs 30-40 us before it reads a byte and
+its one-row call is as slow as its eight-row one; the hand-written kernel streams a weight
+repacked for `vdpbf16ps` and took 0.58x oneDNN's time for a decode step's matmuls at one row
+and 0.87x at eight (docs/performance.md). It is compiled with g++ for this CPU
+(`-march=native`) the first time a process needs it and kept in the compile cache folder,
+under a lock, so the processes of one job build it once; a CPU without the instructions, a
+machine without g++, a failed build or a trial that disagrees with `F.linear` leaves the
+weights to oneDNN (`SPMD_ENGINE_CPU_BF16_GEMM=vnni` makes any of those an error instead).
+
+A packed weight is a plain bf16 tensor of shape [N / 16, K / 2, 16, 2]: the four dimensions
+tell `packed_weights.linear` which kernel it is for, and no code that expects an [N, K]
+weight can read it by mistake.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from spmd_engine import envs
+from spmd_engine.config import ConfigError
+
+logger = logging.getLogger("spmd_engine")
+
+SOURCE = Path(__file__).resolve().parent / "kernels" / "vnni_gemm.cpp"
+FOLDER = "spmd_engine_kernels"
+# Each as torch's cpuinfo names it and as /proc/cpuinfo does (loader.cpu_flags reads either).
+NEEDED_FLAGS = (("avx512_f", "avx512f"), ("avx512_bw", "avx512bw"), ("avx512_vl", "avx512vl"),
+                ("avx512_bf16", "avx512_bf16"))
+
+
+def fits(out_features: int, in_features: int) -> bool:
+    """The kernel's shapes: whole blocks of 16 output columns, pairs of input columns."""
+    return out_features > 0 and out_features % 16 == 0 and in_features > 0 and in_features % 2 == 0
+
+
+def pack(dense: torch.Tensor) -> torch.Tensor:
+    """[N, K] row-major -> [N / 16, K / 2, 16, 2]: one 64-byte line per k pair and 16 columns."""
+    n, k = dense.shape
+    return dense.detach().contiguous().view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def unpack(packed: torch.Tensor) -> torch.Tensor:
+    """The [N, K] row-major weight back (a new tensor)."""
+    blocks, pairs = packed.shape[:2]
+    return packed.permute(0, 2, 1, 3).reshape(blocks * 16, pairs * 2).contiguous()
+
+
+def dense_shape(packed: torch.Tensor) -> tuple[int, int]:
+    return packed.shape[0] * 16, packed.shape[1] * 2
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b with a weight from `pack` (any leading dims of x)."""
+    lead = x.shape[:-1]
+    out = torch.ops.spmd_vnni_gemm.linear(x.reshape(-1, x.shape[-1]).contiguous(), packed, bias)
+    return out.view(*lead, out.shape[-1])
+
+
+def wanted() -> bool:
+    """Whether bf16 weights should go to this kernel: "auto" (default) where it loads and
+    checks out, "onednn" never, "vnni" always (an error where it cannot)."""
+    choice = envs.cpu_bf16_gemm()
+    if choice == "onednn":
+        return False
+    reason = unavailable()
+    if reason is None:
+        return True
+    if choice == "vnni":
+        raise ConfigError(f"{envs.CPU_BF16_GEMM}=vnni, but the kernel is unavailable: {reason}")
+    logger.debug("bf16 linear weights stay with oneDNN: %s", reason)
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def unavailable() -> str | None:
+    """Why the kernel cannot be used here, or None once it is loaded and its trial agrees."""
+    from spmd_engine.model.loader import cpu_flags
+    flags = cpu_flags()
+    missing = [names[0] for names in NEEDED_FLAGS if not flags.intersection(names)]
+    if missing:
+        return f"this CPU lacks {', '.join(missing)}"
+    if shutil.which("g++") is None:
+        return "no g++ on PATH to build it with"
+    try:
+        torch.ops.load_library(str(_built()))
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
+        return f"building or loading it failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+    return _trial_disagrees()
+
+
+def _trial_disagrees() -> str | None:
+    """Every code path of the kernel (8-row pairs, single blocks, 1-7 row tails, bias) against
+    an fp32 matmul of the same bf16 values."""
+    gen = torch.Generator().manual_seed(0)
+    for n, k, m, with_bias in ((48, 40, 11, True), (32, 64, 8, False), (16, 6, 1, True), (64, 128, 19, False)):
+        w = torch.randn(n, k, generator=gen).bfloat16()
+        x = torch.randn(m, k, generator=gen).bfloat16()
+        b = torch.randn(n, generator=gen).bfloat16() if with_bias else None
+        got = linear(x, pack(w), b).float()
+        want = F.linear(x.float(), w.float(), None if b is None else b.float())
+        if not torch.allclose(got, want, rtol=1e-2, atol=1e-2) or not torch.equal(unpack(pack(w)), w):
+            return f"its trial matmul disagrees with F.linear ({n}x{k}, {m} rows)"
+    return None
+
+
+def _built() -> Path:
+    """The shared library for this source, torch, compiler and CPU: built unless already in
+    the cache folder (another process of the job may be building it: wait for its lock)."""
+    from spmd_engine.model.precompiled import build_lock, cache_dir
+    compiler = subprocess.run(["g++", "--version"], capture_output=True, text=True, check=True).stdout
+    from spmd_engine.model.loader import cpu_flags
+    facts = (SOURCE.read_bytes(), torch.__version__, sys.version, compiler, sorted(cpu_flags()),
+             torch._C._GLIBCXX_USE_CXX11_ABI)
+    path = cache_dir() / FOLDER / f"vnni_gemm_{hashlib.sha256(repr(facts).encode()).hexdigest()[:24]}.so"
+    if path.exists():
+        return path
+    with build_lock(path):
+        if not path.exists():
+            _compile(path)
+    return path
+
+
+def _compile(path: Path) -> None:
+    from torch.utils import cpp_extension
+    torch_lib = Path(torch.__file__).parent / "lib"
+    partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.so")
+    cmd = ["g++", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20",
+           *[f"-I{p}" for p in cpp_extension.include_paths()], f"-I{sysconfig.get_paths()['include']}",
+           str(SOURCE), "-o", str(partial), f"-L{torch_lib}", "-ltorch", "-ltorch_cpu", "-lc10",
+           f"-Wl,-rpath,{torch_lib}", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    logger.info("building the bf16 decode GEMM (kernels/vnni_gemm.cpp) into %s", path.parent)
+    try:
+        subprocess.run(cmd, check=True, capture_output=True, text=True)
+        os.replace(partial, path)  # whole or not at all: a reader never loads half a library
+    finally:
+        partial.unlink(missing_ok=True)

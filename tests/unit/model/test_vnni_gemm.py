@@ -1,0 +1,190 @@
+"""The AVX512-BF16 decode GEMM (spmd_engine/model/layers/vnni_gemm.py, kernels/vnni_gemm.cpp).
+
+The kernel computes what an fp32 matmul of the same bf16 values computes, rounded to bf16, on
+every tile path (8-row pairs of column blocks, single blocks, 1-7 row tails, bias); a row's bits
+do not depend on the rows beside it; a model packed for it gives oneDNN's logits and follows
+every weight update; where it cannot be built or disagrees, weights stay with oneDNN, unless
+SPMD_ENGINE_CPU_BF16_GEMM=vnni asks for it, which is then an error saying why. The kernel's
+tests skip on CPUs without AVX512-BF16 (or without g++); the fallback's run everywhere.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from fake_groups import SoloGroup
+from model_helpers import LLAMA, QWEN_TIED, make_random_checkpoint, run_schedule
+
+from spmd_engine import envs
+from spmd_engine.config import ConfigError
+from spmd_engine.model import load_model
+from spmd_engine.model.layers import packed_weights, vnni_gemm
+
+REASON = vnni_gemm.unavailable()
+needs_kernel = pytest.mark.skipif(REASON is not None, reason=f"the kernel is unavailable here: {REASON}")
+
+
+@pytest.fixture
+def fresh_availability(monkeypatch):
+    """unavailable() is cached per process: clear it around a test that changes its answer."""
+    vnni_gemm.unavailable.cache_clear()
+    yield
+    monkeypatch.undo()
+    vnni_gemm.unavailable.cache_clear()
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k", [(16, 2), (48, 40), (64, 512), (32, 1536)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_kernel_equals_an_fp32_matmul_rounded_once(n, k, bias):
+    gen = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    packed = vnni_gemm.pack(w)
+    for m in (0, 1, 2, 7, 8, 9, 15, 16, 17, 33):
+        x = torch.randn(m, k, generator=gen).bfloat16()
+        got = packed_weights.linear(x, packed, b)
+        want = F.linear(x.double(), w.double(), None if b is None else b.double())
+        assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+        # fp32 sums in another order, then one rounding to bf16 (2^-8 relative)
+        torch.testing.assert_close(got.double(), want, rtol=2 ** -7, atol=1e-5 * k ** 0.5, msg=f"{m} rows")
+
+
+@needs_kernel
+def test_a_rows_bits_do_not_depend_on_the_batch_it_came_in():
+    gen = torch.Generator().manual_seed(1)
+    w, b = torch.randn(96, 1536, generator=gen).bfloat16(), torch.randn(96, generator=gen).bfloat16()
+    packed = vnni_gemm.pack(w)
+    x = torch.randn(19, 1536, generator=gen).bfloat16()
+    batch = vnni_gemm.linear(x, packed, b)
+    for r in range(19):
+        assert torch.equal(vnni_gemm.linear(x[r:r + 1], packed, b)[0], batch[r]), r
+    assert torch.equal(vnni_gemm.linear(x[3:12], packed, b), batch[3:12])  # 8 + 1 rows
+
+
+def test_pack_and_unpack_are_inverse_and_the_layout_is_told_by_the_shape():
+    w = torch.randn(48, 40).bfloat16()
+    packed = vnni_gemm.pack(w)
+    assert packed.shape == (3, 20, 16, 2) and vnni_gemm.dense_shape(packed) == (48, 40)
+    assert packed[1, 7, 5].tolist() == w[16 + 5, 14:16].tolist()  # block 1, k pair 7, column 5
+    assert torch.equal(vnni_gemm.unpack(packed), w)
+    assert packed_weights.layout(packed) == "vnni" and packed_weights.layout(w) == "dense"
+    assert torch.equal(packed_weights.dense_weight(packed), w)
+    assert packed_weights.dense_shape(packed) == (48, 40)
+    assert not vnni_gemm.fits(40, 48) and not vnni_gemm.fits(48, 41) and vnni_gemm.fits(48, 40)
+
+
+def logits_of(path, layout: str, monkeypatch) -> list[np.ndarray]:
+    monkeypatch.setenv(envs.CPU_BF16_GEMM, layout)
+    model = load_model(path, SoloGroup(), SoloGroup(), dtype=torch.bfloat16)
+    packed_weights.pack_linear_weights(model, batch_hint=8)
+    layouts = {packed_weights.layout(m.weight) for m in model.modules() if getattr(m, "packable_weight", False)}
+    assert layout in layouts, layouts  # the LM heads of these vocabularies (not 16s) stay oneDNN
+    with torch.no_grad():
+        return [x.astype(np.float64) for x in run_schedule(model)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", [LLAMA, QWEN_TIED], ids=["llama", "qwen_biased_tied"])
+def test_a_model_packed_for_the_kernel_gives_onednns_logits(tmp_path, arch, monkeypatch):
+    path = make_random_checkpoint(tmp_path / "m", **arch, dtype="bfloat16")
+    theirs, ours = logits_of(path, "onednn", monkeypatch), logits_of(path, "vnni", monkeypatch)
+    for step, (a, b) in enumerate(zip(theirs, ours)):
+        # bitwise here (K <= 128); in general they may differ in summation order only
+        np.testing.assert_allclose(b, a, rtol=2e-2, atol=2e-2, err_msg=f"step {step}")
+        assert np.array_equal(a, b), f"step {step}: {np.abs(a - b).max()}"
+
+
+@needs_kernel
+def test_packed_weights_follow_an_update_a_discard_and_a_reload(tmp_path, monkeypatch):
+    """A trainer's update writes into the unpacked weight and packs it again; a discarded
+    (sleep level 2) weight is allocated in the kernel's layout again: stale weights would be
+    served otherwise."""
+    from safetensors.torch import load_file
+    monkeypatch.setenv(envs.CPU_BF16_GEMM, "vnni")
+    first = make_random_checkpoint(tmp_path / "a", **LLAMA, dtype="bfloat16")
+    second = make_random_checkpoint(tmp_path / "b", **LLAMA, dtype="bfloat16", seed=5)
+
+    def packed(path):
+        model = load_model(path, SoloGroup(), SoloGroup(), dtype=torch.bfloat16)
+        packed_weights.pack_linear_weights(model, batch_hint=8)
+        return model
+
+    def logits(model):
+        with torch.no_grad():
+            return np.concatenate([x.ravel() for x in run_schedule(model)])
+
+    model, want = packed(first), logits(packed(second))
+    before = logits(model)
+    assert not np.array_equal(before, want)
+    model.update_weights(load_file(str(second / "model.safetensors")).items())
+    assert packed_weights.layout(next(iter(model.model.layers.values())).mlp.down_proj.weight) == "vnni"
+    assert np.array_equal(logits(model), want)
+    model.discard_weights()
+    model.allocate_discarded_weights()
+    assert packed_weights.layout(next(iter(model.model.layers.values())).mlp.down_proj.weight) == "vnni"
+    model.update_weights(load_file(str(first / "model.safetensors")).items())
+    assert np.array_equal(logits(model), before)
+
+
+def test_the_choice_of_kernel_and_its_errors(monkeypatch, fresh_availability):
+    monkeypatch.setenv(envs.CPU_BF16_GEMM, "onednn")
+    assert not vnni_gemm.wanted()
+    monkeypatch.setenv(envs.CPU_BF16_GEMM, "mkl")
+    with pytest.raises(ConfigError, match="SPMD_ENGINE_CPU_BF16_GEMM='mkl': expected 'auto', 'onednn' or 'vnni'"):
+        vnni_gemm.wanted()
+    from spmd_engine.model import loader
+    monkeypatch.setattr(loader, "cpu_flags", lambda: frozenset({"avx2", "avx512_f"}))
+    monkeypatch.setenv(envs.CPU_BF16_GEMM, "auto")
+    assert not vnni_gemm.wanted()  # auto: oneDNN, quietly
+    monkeypatch.setenv(envs.CPU_BF16_GEMM, "vnni")
+    with pytest.raises(ConfigError, match="the kernel is unavailable: this CPU lacks avx512_bw, avx512_vl, avx512_bf16"):
+        vnni_gemm.wanted()
+
+
+def test_a_kernel_that_fails_to_build_or_disagrees_leaves_weights_to_onednn(tmp_path, monkeypatch,
+                                                                             fresh_availability):
+    if shutil.which("g++") is None:
+        pytest.skip("no g++ to fail a build with")
+    from spmd_engine.model import loader
+    monkeypatch.setattr(loader, "cpu_flags", lambda: frozenset(f for names in vnni_gemm.NEEDED_FLAGS for f in names))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(vnni_gemm, "SOURCE", broken)
+    reason = vnni_gemm.unavailable()
+    assert reason is not None and reason.startswith("building or loading it failed (CalledProcessError"), reason
+    assert not list((tmp_path / "cache").rglob("*.so"))  # nothing half-built left to load
+    monkeypatch.setenv(envs.CPU_BF16_GEMM, "auto")
+    weight = torch.randn(32, 64).bfloat16()
+    assert packed_weights._layout_for(weight, batch_invariant=False) == "onednn"
+    if REASON is None:  # the real kernel, wrong: a trial that disagrees
+        monkeypatch.undo()
+        vnni_gemm.unavailable.cache_clear()
+        monkeypatch.setattr(vnni_gemm, "linear", lambda x, packed, bias=None: torch.zeros(
+            x.shape[0], packed.shape[0] * 16, dtype=x.dtype))
+        assert "its trial matmul disagrees with F.linear" in vnni_gemm.unavailable()
+        assert packed_weights._layout_for(weight, batch_invariant=False) == "onednn"
+
+
+@needs_kernel
+def test_batch_invariant_mode_and_other_dtypes_keep_onednn(monkeypatch):
+    monkeypatch.setenv(envs.CPU_BF16_GEMM, "auto")
+    bf16 = torch.randn(32, 64).bfloat16()
+    assert packed_weights._layout_for(bf16, batch_invariant=False) == "vnni"
+    assert packed_weights._layout_for(bf16, batch_invariant=True) == "onednn"
+    assert packed_weights._layout_for(bf16.float(), batch_invariant=False) == "onednn"
+    assert packed_weights._layout_for(torch.randn(40, 64).bfloat16(), batch_invariant=False) == "onednn"
+
+
+def test_the_kernel_is_used_wherever_the_cpu_has_the_instructions_and_g_plus_plus_is_there():
+    """Else a kernel broken so that its trial fails would only skip the tests above."""
+    from spmd_engine.model.loader import cpu_flags
+    flags = cpu_flags()
+    if not all(flags.intersection(names) for names in vnni_gemm.NEEDED_FLAGS) or shutil.which("g++") is None:
+        pytest.skip("no AVX512-BF16 or no g++ here: the kernel is not expected")
+    assert REASON is None
