@@ -257,7 +257,7 @@ def test_every_checkpoint_tensor_is_known_and_an_update_equals_a_fresh_load(tmp_
     """hf_tensor_shapes names every tensor of each architecture with its shape, and after
     update_weights(new) every parameter equals the one a fresh load of `new` gives."""
     from spmd_engine.model import load_model
-    from spmd_engine.model.layers.packed_weights import pack_linear_weights
+    from spmd_engine.model.layers.packed_weights import dense_weight, pack_linear_weights
     from spmd_engine.model.solo import SoloGroup
     from spmd_engine.model.weights import hf_tensor_shapes
     old = make_tiny_checkpoint(tmp_path / "old", seed=0, **config)
@@ -269,7 +269,7 @@ def test_every_checkpoint_tensor_is_known_and_an_update_equals_a_fresh_load(tmp_
     assert model.load_weights(new_tensors.items()) == set(new_tensors)
     fresh = dict(load_model(new, SoloGroup(), SoloGroup()).named_parameters())
     for name, param in model.named_parameters():
-        value = param.to_dense() if param.is_mkldnn else param
+        value = dense_weight(param)  # the row-major weight, whichever kernel it is packed for
         # Packing gave a tied head its own copy; the fresh, unpacked model shares the embedding.
         want = fresh["model.embed_tokens.weight"] if name == "lm_head.weight" and name not in fresh else fresh[name]
         assert torch.equal(value, want), name
