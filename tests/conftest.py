@@ -45,6 +45,19 @@ def require_reference(module: str):
         pytest.skip(message)
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's tmpdir plugin has made its factory
+def pytest_configure(config):
+    """Every compile cache of the run (inductor's, and the bf16 decode GEMM that
+    model/layers/vnni_gemm.py builds into it on AVX512-BF16 CPUs) in the run's shared folder,
+    which pytest_sessionfinish removes: nothing is left in /tmp/torchinductor_<user>. Set
+    before collection (test modules ask whether the kernel is available when imported), so
+    launched ranks and mp workers inherit it; a test with a cache of its own still sets its own."""
+    factory = getattr(config, "_tmp_path_factory", None)
+    if factory is not None:
+        from inductor_cache import shared_cache_dir
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(shared_cache_dir(factory)))
+
+
 @pytest.fixture(autouse=True)
 def _clean_launcher_env(monkeypatch):
     for name in LAUNCHER_VARS:

@@ -97,7 +97,8 @@ def unavailable() -> str | None:
     try:
         torch.ops.load_library(str(_built()))
     except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
-        return f"building or loading it failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        return f"building or loading it failed ({type(exc).__name__}: {first})"
     return _trial_disagrees()
 
 
@@ -143,7 +144,10 @@ def _compile(path: Path) -> None:
            f"-Wl,-rpath,{torch_lib}", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
     logger.info("building the bf16 decode GEMM (kernels/vnni_gemm.cpp) into %s", path.parent)
     try:
-        subprocess.run(cmd, check=True, capture_output=True, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            errors = [line for line in proc.stderr.splitlines() if "error" in line] or proc.stderr.splitlines() or [""]
+            raise RuntimeError(f"g++ exited with {proc.returncode}: {errors[0].strip()}")
         os.replace(partial, path)  # whole or not at all: a reader never loads half a library
     finally:
         partial.unlink(missing_ok=True)

@@ -157,7 +157,8 @@ def test_a_kernel_that_fails_to_build_or_disagrees_leaves_weights_to_onednn(tmp_
     broken.write_text("this is not C++\n")
     monkeypatch.setattr(vnni_gemm, "SOURCE", broken)
     reason = vnni_gemm.unavailable()
-    assert reason is not None and reason.startswith("building or loading it failed (CalledProcessError"), reason
+    assert reason is not None and reason.startswith("building or loading it failed (RuntimeError: g++ exited with 1: "), reason
+    assert "broken.cpp" in reason and "error" in reason, reason  # the compiler's own first error
     assert not list((tmp_path / "cache").rglob("*.so"))  # nothing half-built left to load
     monkeypatch.setenv(envs.CPU_BF16_GEMM, "auto")
     weight = torch.randn(32, 64).bfloat16()
