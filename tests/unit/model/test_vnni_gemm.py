@@ -1,7 +1,7 @@
 """The AVX512-BF16 decode GEMM (spmd_engine/model/layers/vnni_gemm.py, kernels/vnni_gemm.cpp).
 
 The kernel computes what an fp32 matmul of the same bf16 values computes, rounded to bf16, on
-every tile path (8-row pairs of column blocks, single blocks, 1-7 row tails, bias); a row's bits
+every tile path (groups of 1-4 column blocks, 6-row tiles, 1-5 row tails, bias); a row's bits
 do not depend on the rows beside it; a model packed for it gives oneDNN's logits and follows
 every weight update; where it cannot be built or disagrees, weights stay with oneDNN, unless
 SPMD_ENGINE_CPU_BF16_GEMM=vnni asks for it, which is then an error saying why. The kernel's
@@ -157,7 +157,7 @@ def test_a_kernel_that_fails_to_build_or_disagrees_leaves_weights_to_onednn(tmp_
     broken.write_text("this is not C++\n")
     monkeypatch.setattr(vnni_gemm, "SOURCE", broken)
     reason = vnni_gemm.unavailable()
-    assert reason is not None and reason.startswith("building or loading it failed (RuntimeError: g++ exited with 1: "), reason
+    assert reason is not None and reason.startswith("building, loading or trying it failed (RuntimeError: g++ exited with 1: "), reason
     assert "broken.cpp" in reason and "error" in reason, reason  # the compiler's own first error
     assert not list((tmp_path / "cache").rglob("*.so"))  # nothing half-built left to load
     monkeypatch.setenv(envs.CPU_BF16_GEMM, "auto")
