@@ -49,7 +49,8 @@ def require_reference(module: str):
 def pytest_configure(config):
     """Every compile cache of the run (inductor's, and the bf16 decode GEMM that
     model/layers/vnni_gemm.py builds into it on AVX512-BF16 CPUs) in the run's shared folder,
-    which pytest_sessionfinish removes: nothing is left in /tmp/torchinductor_<user>. Set
+    which pytest_sessionfinish removes (inductor still writes its precompiled headers to
+    /tmp/torchinductor_<user>, whatever the variable says). Set
     before collection (test modules ask whether the kernel is available when imported), so
     launched ranks and mp workers inherit it; a test with a cache of its own still sets its own."""
     factory = getattr(config, "_tmp_path_factory", None)
