@@ -120,9 +120,9 @@ def _trial_disagrees() -> str | None:
 def _built() -> Path:
     """The shared library for this source, torch, compiler and CPU: built unless already in
     the cache folder (another process of the job may be building it: wait for its lock)."""
+    from spmd_engine.model.loader import cpu_flags
     from spmd_engine.model.precompiled import build_lock, cache_dir
     compiler = subprocess.run(["g++", "--version"], capture_output=True, text=True, check=True).stdout
-    from spmd_engine.model.loader import cpu_flags
     facts = (SOURCE.read_bytes(), torch.__version__, sys.version, compiler, sorted(cpu_flags()),
              torch._C._GLIBCXX_USE_CXX11_ABI)
     path = cache_dir() / FOLDER / f"vnni_gemm_{hashlib.sha256(repr(facts).encode()).hexdigest()[:24]}.so"
