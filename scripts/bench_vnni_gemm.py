@@ -36,13 +36,16 @@ LOWER_IS_BETTER = "value/baseline, lower is better"
 PER_STEP = {(768, 512): 8, (512, 512): 8, (3072, 512): 8, (512, 1536): 8, (32000, 512): 1}
 
 
-def timed_in_turns(calls: dict, reps: int, n: int) -> dict[str, float]:
-    """Median over reps of the mean seconds per call of each function, the functions in turns."""
-    for fn in calls.values():
+def timed_in_turns(calls: dict, reps: int, n: int, before=lambda name: None) -> dict[str, float]:
+    """Median over reps of the mean seconds per call of each function, the functions in turns
+    (`before(name)` runs ahead of each function's turn, untimed)."""
+    for name, fn in calls.items():
+        before(name)
         fn(0)
     samples = {name: [] for name in calls}
     for _ in range(reps):
         for name, fn in calls.items():
+            before(name)
             t0 = time.perf_counter()
             for i in range(n):
                 fn(i)
@@ -50,7 +53,7 @@ def timed_in_turns(calls: dict, reps: int, n: int) -> dict[str, float]:
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
-def measure(threads: list[int], rows_list: list[int], reps: int, pool_mib: int) -> None:
+def measure(threads: list[int], rows_list: list[int], reps: int, pool_mib: int, paths: list[str]) -> None:
     gen = torch.Generator().manual_seed(0)
     step = {}  # (threads, rows) -> [kernel seconds, engine seconds]
     for out_features, in_features in SHAPES:
@@ -65,28 +68,36 @@ def measure(threads: list[int], rows_list: list[int], reps: int, pool_mib: int) 
             torch.set_num_threads(t)
             for rows in rows_list:
                 x = torch.randn(rows, in_features, generator=gen).bfloat16()
-                ours, theirs = linear(x, vnni[0]), linear(x, onednn[0])
-                assert torch.allclose(ours.float(), x.float() @ reference_weight.T, rtol=2e-2, atol=2e-2), \
-                    (out_features, in_features, rows)
-                differ = int((ours.view(torch.int16) != theirs.view(torch.int16)).sum())
-                got = timed_in_turns({"vnni": lambda i: linear(x, vnni[i % copies]),
-                                      "onednn": lambda i: linear(x, onednn[i % copies])}, reps, calls_per_rep)
+                theirs = linear(x, onednn[0])
+                calls = {path: (lambda i: linear(x, vnni[i % copies])) for path in paths}
+                calls["onednn"] = lambda i: linear(x, onednn[i % copies])
+                differ = {}
+                for path in paths:
+                    vnni_gemm._use_tiles(path == "amx")
+                    ours = linear(x, vnni[0])
+                    assert torch.allclose(ours.float(), x.float() @ reference_weight.T, rtol=2e-2, atol=2e-2), \
+                        (path, out_features, in_features, rows)
+                    differ[path] = int((ours.view(torch.int16) != theirs.view(torch.int16)).sum())
+                got = timed_in_turns(calls, reps, calls_per_rep, before=lambda name: vnni_gemm._use_tiles(name == "amx"))
                 weight_bytes = out_features * in_features * 2
-                emit(f"vnni_gemm_{out_features}x{in_features}_m{rows}_t{t}_us",
-                     got["vnni"] * 1e6, got["onednn"] * 1e6, got["vnni"] / got["onednn"], "us", rows=rows, threads=t,
-                     value_is="spmd_engine/model/layers/kernels/vnni_gemm.cpp", baseline_is="packed_weights.linear, oneDNN packed (hint 8)",
-                     value_gb_per_s=round(weight_bytes / got["vnni"] / 1e9, 2),
-                     baseline_gb_per_s=round(weight_bytes / got["onednn"] / 1e9, 2),
-                     outputs_differing_in_bits=differ, outputs=rows * out_features, pool_mib=pool_mib,
-                     ratio_is=LOWER_IS_BETTER, loadavg_1m=loadavg())
-                acc = step.setdefault((t, rows), [0.0, 0.0])
-                acc[0] += PER_STEP[(out_features, in_features)] * got["vnni"]
-                acc[1] += PER_STEP[(out_features, in_features)] * got["onednn"]
-    for (t, rows), (ours, theirs) in sorted(step.items()):
-        emit(f"vnni_gemm_decode_step_matmuls_m{rows}_t{t}_ms", ours * 1e3, theirs * 1e3, ours / theirs,
-             "ms", rows=rows, threads=t, ratio_is=LOWER_IS_BETTER, loadavg_1m=loadavg(),
-             value_is="one decode step's weight matmuls of the bench Llama (8 layers + LM head), this kernel",
-             baseline_is="the same with the engine's oneDNN packed call")
+                for path in paths:
+                    emit(f"vnni_gemm_{path}_{out_features}x{in_features}_m{rows}_t{t}_us",
+                         got[path] * 1e6, got["onednn"] * 1e6, got[path] / got["onednn"], "us", rows=rows, threads=t,
+                         value_is=f"spmd_engine/model/layers/kernels/vnni_gemm.cpp, {path} path",
+                         baseline_is="packed_weights.linear, oneDNN packed (hint 8)",
+                         value_gb_per_s=round(weight_bytes / got[path] / 1e9, 2),
+                         baseline_gb_per_s=round(weight_bytes / got["onednn"] / 1e9, 2),
+                         outputs_differing_in_bits=differ[path], outputs=rows * out_features, pool_mib=pool_mib,
+                         ratio_is=LOWER_IS_BETTER, loadavg_1m=loadavg())
+                acc = step.setdefault((t, rows), {})
+                for name, seconds in got.items():
+                    acc[name] = acc.get(name, 0.0) + PER_STEP[(out_features, in_features)] * seconds
+    for (t, rows), acc in sorted(step.items()):
+        for path in paths:
+            emit(f"vnni_gemm_{path}_decode_step_matmuls_m{rows}_t{t}_ms", acc[path] * 1e3, acc["onednn"] * 1e3,
+                 acc[path] / acc["onednn"], "ms", rows=rows, threads=t, ratio_is=LOWER_IS_BETTER, loadavg_1m=loadavg(),
+                 value_is=f"one decode step's weight matmuls of the bench Llama (8 layers + LM head), this kernel's {path} path",
+                 baseline_is="the same with the engine's oneDNN packed call")
 
 
 def main() -> None:
@@ -99,8 +110,9 @@ def main() -> None:
     reason = vnni_gemm.unavailable()
     if reason is not None:
         sys.exit(f"bench_vnni_gemm: the kernel is unavailable here: {reason}")
+    paths = ["avx512", "amx"] if vnni_gemm._tiles_tried() else ["avx512"]  # the AMX path where it exists
     measure(sorted({int(t) for t in args.threads.split(",")}), [int(r) for r in args.rows.split(",")],
-            args.reps, args.pool_mib)
+            args.reps, args.pool_mib, paths)
 
 
 if __name__ == "__main__":

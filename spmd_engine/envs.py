@@ -70,11 +70,12 @@ def cpu_packed_weights(environ: Mapping[str, str] = os.environ) -> bool:
 
 def cpu_bf16_gemm(environ: Mapping[str, str] = os.environ) -> str:
     """Which kernel packed bf16 linear weights are for on CPU: "auto" (default: the AVX512-BF16
-    kernel of model/layers/vnni_gemm.py where it builds and checks out, else oneDNN), "onednn",
-    or "vnni" (that kernel, or an error saying why not)."""
+    kernel of model/layers/vnni_gemm.py where it builds and checks out, with its AMX tiles where
+    the CPU and the OS allow them, else oneDNN), "onednn", "vnni" (that kernel, AMX tiles where
+    allowed, or an error saying why not), or "avx512" (that kernel without its AMX tiles)."""
     raw = environ.get(CPU_BF16_GEMM, "auto") or "auto"
-    if raw not in ("auto", "onednn", "vnni"):
-        raise ConfigError(f"{CPU_BF16_GEMM}={raw!r}: expected 'auto', 'onednn' or 'vnni'")
+    if raw not in ("auto", "onednn", "vnni", "avx512"):
+        raise ConfigError(f"{CPU_BF16_GEMM}={raw!r}: expected 'auto', 'onednn', 'vnni' or 'avx512'")
     return raw
 
 

@@ -71,17 +71,50 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
 
 def wanted() -> bool:
     """Whether bf16 weights should go to this kernel: "auto" (default) where it loads and
-    checks out, "onednn" never, "vnni" always (an error where it cannot)."""
+    checks out, "onednn" never, "vnni" and "avx512" always (an error where it cannot). Also sets
+    whether the kernel uses its AMX tiles: "avx512" never, the others where they were tried."""
     choice = envs.cpu_bf16_gemm()
     if choice == "onednn":
         return False
     reason = unavailable()
     if reason is None:
+        tiles = _use_tiles(choice != "avx512" and _tiles_tried())
+        _announce(tiles)
         return True
-    if choice == "vnni":
-        raise ConfigError(f"{envs.CPU_BF16_GEMM}=vnni, but the kernel is unavailable: {reason}")
+    if choice in ("vnni", "avx512"):
+        raise ConfigError(f"{envs.CPU_BF16_GEMM}={choice}, but the kernel is unavailable: {reason}")
     logger.debug("bf16 linear weights stay with oneDNN: %s", reason)
     return False
+
+
+class _Tiles:
+    """The kernel's AMX path in this process: whether it passed the trial, whether it is on."""
+
+    tried = False
+    on = False
+
+
+def amx_in_use() -> bool:
+    """Whether the kernel now sends weights with K % 32 == 0 through its AMX tiles."""
+    return unavailable() is None and _Tiles.on
+
+
+def _use_tiles(enable: bool) -> bool:
+    """Turn the kernel's AMX path on or off (process-wide); returns whether it is on."""
+    _Tiles.on = bool(torch.ops.spmd_vnni_gemm.use_amx(enable))
+    return _Tiles.on
+
+
+@functools.lru_cache(maxsize=None)
+def _announce(tiles: bool) -> None:
+    logger.info("bf16 linear weights: the hand-written GEMM (kernels/vnni_gemm.cpp), %s",
+                "AMX tiles for K % 32 == 0, AVX512-BF16 for the rest" if tiles else "AVX512-BF16")
+
+
+def _tiles_tried() -> bool:
+    """Whether the AMX path exists here (built for a CPU with AMX, the OS grants the tile
+    state) and passed the trial; unavailable() runs the trial on both paths."""
+    return unavailable() is None and _Tiles.tried
 
 
 @functools.lru_cache(maxsize=None)
@@ -96,17 +129,28 @@ def unavailable() -> str | None:
         return "no g++ on PATH to build it with"
     try:
         torch.ops.load_library(str(_built()))
-        return _trial_disagrees()
+        for tiles in (False, True):
+            if _use_tiles(tiles) != tiles:
+                break  # no AMX in this build or from this OS: the AVX-512 path only
+            disagrees = _trial_disagrees()
+            if disagrees:
+                _use_tiles(False)
+                return disagrees + (" on its AMX path" if tiles else "")
+            _Tiles.tried = tiles
+        _use_tiles(False)
+        return None
     except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else ""
         return f"building, loading or trying it failed ({type(exc).__name__}: {first})"
 
 
 def _trial_disagrees() -> str | None:
-    """The kernel's code paths (groups of 1-4 blocks, 6-row tiles and shorter tails, bias)
+    """The kernel's code paths (groups of 1-4 blocks, 6-row tiles and shorter tails, bias; on
+    the AMX path, K % 32 == 0: one and two blocks, up to 16 rows, an overlapping last chunk)
     against an fp32 matmul of the same bf16 values."""
     gen = torch.Generator().manual_seed(0)
-    for n, k, m, with_bias in ((48, 40, 11, True), (32, 64, 8, False), (16, 6, 1, True), (64, 128, 19, False)):
+    for n, k, m, with_bias in ((48, 40, 11, True), (32, 64, 8, False), (16, 6, 1, True), (64, 128, 19, False),
+                               (48, 96, 16, True), (16, 32, 1, False)):
         w = torch.randn(n, k, generator=gen).bfloat16()
         x = torch.randn(m, k, generator=gen).bfloat16()
         b = torch.randn(n, generator=gen).bfloat16() if with_bias else None

@@ -37,15 +37,27 @@ def fresh_availability(monkeypatch):
     vnni_gemm.unavailable.cache_clear()
 
 
+@pytest.fixture(params=["avx512", "amx"])
+def kernel_path(request):
+    """Each test once on the AVX-512 path and once with the AMX tiles on (where they are: a CPU
+    with AMX, a build for it, an OS that grants the tile state); the process's choice put back."""
+    if request.param == "amx" and not vnni_gemm._tiles_tried():
+        pytest.skip("no AMX path here (CPU, build or OS)")
+    was = vnni_gemm.amx_in_use()
+    vnni_gemm._use_tiles(request.param == "amx")
+    yield request.param
+    vnni_gemm._use_tiles(was)
+
+
 @needs_kernel
-@pytest.mark.parametrize("n,k", [(16, 2), (48, 40), (64, 512), (32, 1536)])
+@pytest.mark.parametrize("n,k", [(16, 2), (48, 40), (64, 512), (32, 1536), (48, 96)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_the_kernel_equals_an_fp32_matmul_rounded_once(n, k, bias):
+def test_the_kernel_equals_an_fp32_matmul_rounded_once(n, k, bias, kernel_path):
     gen = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16() if bias else None
     packed = vnni_gemm.pack(w)
-    for m in (0, 1, 2, 7, 8, 9, 15, 16, 17, 33):
+    for m in (0, 1, 2, 7, 8, 9, 15, 16, 17, 31, 33):
         x = torch.randn(m, k, generator=gen).bfloat16()
         got = packed_weights.linear(x, packed, b)
         want = F.linear(x.double(), w.double(), None if b is None else b.double())
@@ -55,15 +67,39 @@ def test_the_kernel_equals_an_fp32_matmul_rounded_once(n, k, bias):
 
 
 @needs_kernel
-def test_a_rows_bits_do_not_depend_on_the_batch_it_came_in():
+def test_a_rows_bits_do_not_depend_on_the_batch_it_came_in(kernel_path):
     gen = torch.Generator().manual_seed(1)
-    w, b = torch.randn(96, 1536, generator=gen).bfloat16(), torch.randn(96, generator=gen).bfloat16()
+    w, b = torch.randn(112, 1536, generator=gen).bfloat16(), torch.randn(112, generator=gen).bfloat16()
     packed = vnni_gemm.pack(w)
-    x = torch.randn(19, 1536, generator=gen).bfloat16()
+    x = torch.randn(37, 1536, generator=gen).bfloat16()
     batch = vnni_gemm.linear(x, packed, b)
-    for r in range(19):
+    for r in range(37):
         assert torch.equal(vnni_gemm.linear(x[r:r + 1], packed, b)[0], batch[r]), r
     assert torch.equal(vnni_gemm.linear(x[3:12], packed, b), batch[3:12])  # 8 + 1 rows
+    assert torch.equal(vnni_gemm.linear(x[2:19], packed, b), batch[2:19])  # 17 rows: an overlapping chunk
+
+
+@needs_kernel
+def test_the_amx_path_leaves_other_tile_users_their_configuration():
+    """oneDNN's bf16 matmuls use the same tiles on an AMX CPU and may keep track of the
+    configuration they loaded: calls of theirs between the kernel's, on the same threads, still
+    give their own results."""
+    if not vnni_gemm._tiles_tried():
+        pytest.skip("no AMX path here (CPU, build or OS)")
+    was = vnni_gemm.amx_in_use()
+    vnni_gemm._use_tiles(True)
+    try:
+        gen = torch.Generator().manual_seed(2)
+        w = torch.randn(256, 512, generator=gen).bfloat16()
+        onednn, ours = torch.ops.mkldnn._reorder_linear_weight(w, 32), vnni_gemm.pack(w)
+        xs = [torch.randn(m, 512, generator=gen).bfloat16() for m in (32, 5, 64, 16)]
+        alone = [packed_weights.linear(x, onednn) for x in xs], [vnni_gemm.linear(x, ours) for x in xs]
+        for _ in range(3):
+            for i, x in enumerate(xs):
+                assert torch.equal(packed_weights.linear(x, onednn), alone[0][i]), i
+                assert torch.equal(vnni_gemm.linear(x, ours), alone[1][i]), i
+    finally:
+        vnni_gemm._use_tiles(was)
 
 
 def test_pack_and_unpack_are_inverse_and_the_layout_is_told_by_the_shape():
@@ -135,7 +171,7 @@ def test_the_choice_of_kernel_and_its_errors(monkeypatch, fresh_availability):
     monkeypatch.setenv(envs.CPU_BF16_GEMM, "onednn")
     assert not vnni_gemm.wanted()
     monkeypatch.setenv(envs.CPU_BF16_GEMM, "mkl")
-    with pytest.raises(ConfigError, match="SPMD_ENGINE_CPU_BF16_GEMM='mkl': expected 'auto', 'onednn' or 'vnni'"):
+    with pytest.raises(ConfigError, match="SPMD_ENGINE_CPU_BF16_GEMM='mkl': expected 'auto', 'onednn', 'vnni' or 'avx512'"):
         vnni_gemm.wanted()
     from spmd_engine.model import loader
     monkeypatch.setattr(loader, "cpu_flags", lambda: frozenset({"avx2", "avx512_f"}))

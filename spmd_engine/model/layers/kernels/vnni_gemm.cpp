@@ -8,10 +8,20 @@
 // columns is read in one forward stream. A tile is MB rows by NB blocks: NB weight streams in
 // flight, MB * NB accumulators, MB broadcasts and NB loads per MB * NB multiply-adds. Each row
 // has its own accumulators and sums k in order, so a row's bits do not depend on the batch.
+//
+// On CPUs with AMX (and a build that targets it: -march=native defines __AMX_BF16__), weights
+// whose K is a multiple of 32 go through the tile unit instead (namespace amx below), on the same
+// packed layout: a B tile is 16 of those 64-byte lines, 1 KiB read in one piece. vdpbf16ps does
+// 32 multiply-adds per instruction, so at eight rows the AVX-512 path is bound by arithmetic, not
+// by memory; a tile multiply does 16 rows x 16 columns x 32 k at once. Which path a weight takes
+// depends only on its K and the process (use_amx), never on the batch, and a tile's rows are
+// computed independently, k chunk after k chunk: a row's bits still do not depend on its batch.
 #include <immintrin.h>
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 namespace {
 
@@ -23,6 +33,12 @@ struct Out {
   int64_t ld;         // elements between rows
   const float* bias;  // fp32, N values, or null
 };
+
+// out[row, col:col+16] = bf16(v + bias[col:col+16]): one rounding, after the whole sum.
+inline void store16(const Out& o, int64_t row, int64_t col, __m512 v) {
+  if (o.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(o.bias + col));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.data + row * o.ld + col), (__m256i)_mm512_cvtneps_pbh(v));
+}
 
 template <int MB, int NB>
 inline void tile(const uint16_t* x, int64_t K, const uint16_t* wb, const Out& o, int64_t row, int64_t col) {
@@ -39,14 +55,8 @@ inline void tile(const uint16_t* x, int64_t K, const uint16_t* wb, const Out& o,
       for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xb, w[j]);
     }
   }
-  for (int m = 0; m < MB; ++m) {
-    for (int j = 0; j < NB; ++j) {
-      __m512 v = acc[m][j];
-      if (o.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(o.bias + col + j * 16));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.data + (row + m) * o.ld + col + j * 16),
-                          (__m256i)_mm512_cvtneps_pbh(v));
-    }
-  }
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) store16(o, row + m, col + j * 16, acc[m][j]);
 }
 
 // All M rows against NB blocks starting at column `col`: full tiles, then one tile of the rest.
@@ -65,6 +75,97 @@ inline void rows(int64_t M, const uint16_t* x, int64_t K, const uint16_t* wb, co
   }
 }
 
+bool g_use_amx = false;  // set once by use_amx(); only K % 32 == 0 weights take the tile path
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+namespace amx {
+
+constexpr int kMaxRows = 16;  // rows of an A and a C tile
+constexpr int kPairs = 16;    // k pairs of a B tile: 32 values of k per multiply
+
+// Tiles: C0 = 0 and C1 = 1 (fp32 accumulators of two 16-column blocks), A = 2 (rows x 32 k of
+// x), B0 = 3 and B1 = 4 (the two blocks' weights for those 32 k).
+struct alignas(64) Config {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+inline Config config(int rows) {
+  Config c;
+  for (int t = 0; t < 5; ++t) {
+    c.colsb[t] = 64;
+    c.rows[t] = t >= 3 ? kPairs : rows;
+  }
+  return c;
+}
+
+bool request_permission() {
+  constexpr long kReqPerm = 0x1023, kXtileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+  return syscall(SYS_arch_prctl, kReqPerm, kXtileData) == 0;
+}
+
+// Rows [row, row + R) of x against NB (1 or 2) blocks of 16 columns at `col`; R is the loaded
+// configuration's row count.
+template <int NB>
+inline void tile(const uint16_t* x, int64_t K, const uint16_t* wb, const Out& o, int64_t row, int R,
+                 int64_t col, float* scratch) {
+  _tile_zero(0);
+  if constexpr (NB == 2) _tile_zero(1);
+  const uint16_t* xr = x + row * K;
+  for (int64_t k = 0; k < K; k += 2 * kPairs) {
+    _tile_loadd(2, xr + k, K * 2);
+    _tile_loadd(3, wb + k * 16, 64);
+    _tile_dpbf16ps(0, 2, 3);
+    if constexpr (NB == 2) {
+      _tile_loadd(4, wb + K * 16 + k * 16, 64);
+      _tile_dpbf16ps(1, 2, 4);
+    }
+  }
+  _tile_stored(0, scratch, 64);
+  if constexpr (NB == 2) _tile_stored(1, scratch + kMaxRows * 16, 64);
+  for (int m = 0; m < R; ++m)
+    for (int j = 0; j < NB; ++j) store16(o, row + m, col + j * 16, _mm512_loadu_ps(scratch + (j * kMaxRows + m) * 16));
+}
+
+// Blocks [begin, end) for all M rows: chunks of up to 16 rows; past 16 the last chunk is the
+// last 16 rows (it recomputes some rows of the chunk before it, to the same bits: a row's sum
+// does not depend on the rows beside it), so one configuration serves the whole call. The
+// thread's previous configuration is put back afterwards: other AMX users (oneDNN) may keep
+// track of what they loaded.
+void blocks(int64_t M, const uint16_t* x, int64_t K, const uint16_t* w, const Out& o, int64_t begin,
+            int64_t end) {
+  alignas(64) uint8_t saved[64];
+  _tile_storeconfig(saved);
+  const int R = static_cast<int>(std::min<int64_t>(M, kMaxRows));
+  const Config cfg = config(R);
+  _tile_loadconfig(&cfg);
+  alignas(64) float scratch[2 * kMaxRows * 16];
+  for (int64_t b = begin; b < end; b += 2) {
+    const uint16_t* wb = w + b * K * 16;
+    for (int64_t m = 0; m < M; m += R) {
+      const int64_t row = std::min<int64_t>(m, M - R);
+      if (end - b >= 2) tile<2>(x, K, wb, o, row, R, b * 16, scratch);
+      else tile<1>(x, K, wb, o, row, R, b * 16, scratch);
+    }
+  }
+  if (saved[0] == 0) _tile_release();  // palette 0: the thread had no tiles configured
+  else _tile_loadconfig(saved);
+}
+
+}  // namespace amx
+
+bool use_amx(bool enable) {
+  static const bool permitted = amx::request_permission();
+  g_use_amx = enable && permitted;
+  return g_use_amx;
+}
+#else
+bool use_amx(bool) { return false; }  // built for a CPU without AMX: the AVX-512 path only
+#endif
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "vnni linear: contiguous 2-D bf16 x");
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 2 && packed.is_contiguous()
@@ -81,6 +182,16 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
   const Out o{reinterpret_cast<uint16_t*>(out.data_ptr()), N, bias32.defined() ? bias32.data_ptr<float>() : nullptr};
   const uint16_t* xd = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const uint16_t* wd = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (g_use_amx && K % 32 == 0) {
+    // Pairs of blocks, so a thread never splits a pair: each thread streams its share of the
+    // weight front to back.
+    at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+      amx::blocks(M, xd, K, wd, o, begin * 2, std::min(end * 2, blocks));
+    });
+    return out;
+  }
+#endif
   const int64_t groups = (blocks + kGroup - 1) / kGroup;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
@@ -101,4 +212,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
 
 TORCH_LIBRARY(spmd_vnni_gemm, m) {
   m.def("linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor", linear);
+  // Whether weights with K % 32 == 0 take the AMX path from now on: asks the OS for the tile
+  // state once; false where the build has no AMX or the OS refuses.
+  m.def("use_amx(bool enable) -> bool", use_amx);
 }
