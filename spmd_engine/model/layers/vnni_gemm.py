@@ -17,13 +17,9 @@ weight can read it by mistake.
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
-import os
 import shutil
 import subprocess
-import sys
-import sysconfig
 from pathlib import Path
 
 import torch
@@ -31,11 +27,11 @@ import torch.nn.functional as F
 
 from spmd_engine import envs
 from spmd_engine.config import ConfigError
+from spmd_engine.model.layers import native
 
 logger = logging.getLogger("spmd_engine")
 
 SOURCE = Path(__file__).resolve().parent / "kernels" / "vnni_gemm.cpp"
-FOLDER = "spmd_engine_kernels"
 # Each as torch's cpuinfo names it and as /proc/cpuinfo does (loader.cpu_flags reads either).
 NEEDED_FLAGS = (("avx512_f", "avx512f"), ("avx512_bw", "avx512bw"), ("avx512_vl", "avx512vl"),
                 ("avx512_bf16", "avx512_bf16"))
@@ -128,7 +124,7 @@ def unavailable() -> str | None:
     if shutil.which("g++") is None:
         return "no g++ on PATH to build it with"
     try:
-        torch.ops.load_library(str(_built()))
+        torch.ops.load_library(str(native.built(SOURCE)))
         for tiles in (False, True):
             if _use_tiles(tiles) != tiles:
                 break  # no AMX in this build or from this OS: the AVX-512 path only
@@ -159,39 +155,3 @@ def _trial_disagrees() -> str | None:
         if not torch.allclose(got, want, rtol=1e-2, atol=1e-2) or not torch.equal(unpack(pack(w)), w):
             return f"its trial matmul disagrees with F.linear ({n}x{k}, {m} rows)"
     return None
-
-
-def _built() -> Path:
-    """The shared library for this source, torch, compiler and CPU: built unless already in
-    the cache folder (another process of the job may be building it: wait for its lock)."""
-    from spmd_engine.model.loader import cpu_flags
-    from spmd_engine.model.precompiled import build_lock, cache_dir
-    compiler = subprocess.run(["g++", "--version"], capture_output=True, text=True, check=True).stdout
-    facts = (SOURCE.read_bytes(), torch.__version__, sys.version, compiler, sorted(cpu_flags()),
-             torch._C._GLIBCXX_USE_CXX11_ABI)
-    path = cache_dir() / FOLDER / f"vnni_gemm_{hashlib.sha256(repr(facts).encode()).hexdigest()[:24]}.so"
-    if path.exists():
-        return path
-    with build_lock(path):
-        if not path.exists():
-            _compile(path)
-    return path
-
-
-def _compile(path: Path) -> None:
-    from torch.utils import cpp_extension
-    torch_lib = Path(torch.__file__).parent / "lib"
-    partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.so")
-    cmd = ["g++", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20",
-           *[f"-I{p}" for p in cpp_extension.include_paths()], f"-I{sysconfig.get_paths()['include']}",
-           str(SOURCE), "-o", str(partial), f"-L{torch_lib}", "-ltorch", "-ltorch_cpu", "-lc10",
-           f"-Wl,-rpath,{torch_lib}", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
-    logger.info("building the bf16 decode GEMM (kernels/vnni_gemm.cpp) into %s", path.parent)
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            errors = [line for line in proc.stderr.splitlines() if "error" in line] or proc.stderr.splitlines() or [""]
-            raise RuntimeError(f"g++ exited with {proc.returncode}: {errors[0].strip()}")
-        os.replace(partial, path)  # whole or not at all: a reader never loads half a library
-    finally:
-        partial.unlink(missing_ok=True)
