@@ -62,7 +62,7 @@ def test_the_figure_check_rejects_a_missing_or_broken_figure():
 
 @pytest.mark.timeout(300)
 def test_the_decode_gemm_kernel_builds_and_its_outputs_check_out():
-    """scripts/bench_vnni_gemm.py finds the engine's AVX512-BF16 kernel and checks every output
+    """scripts/bench_vnni_gemm.py finds the engine's AVX512-BF16 kernel (and its AMX path) and checks every output
     against an fp32 matmul before it times anything; one small run here, where it can run."""
     from spmd_engine.model.layers import vnni_gemm
     if vnni_gemm.unavailable() is not None:
@@ -71,5 +71,7 @@ def test_the_decode_gemm_kernel_builds_and_its_outputs_check_out():
                         "--reps", "1", "--pool-mib", "4"], "vnni-gemm", timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
     figures = figures_of(proc.stdout)
-    assert len(figures) == 5 * 4 + 4, [f["name"] for f in figures]  # 5 matrices x 4 row counts, 4 step sums
+    paths = 2 if vnni_gemm._tiles_tried() else 1  # the AMX path is timed too where it exists
+    # 5 matrices x 4 row counts, 4 step sums, for each path
+    assert len(figures) == (5 * 4 + 4) * paths, [f["name"] for f in figures]
     assert all(math.isfinite(f["ratio"]) and f["ratio"] > 0 for f in figures)
