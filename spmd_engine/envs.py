@@ -20,6 +20,7 @@ DP_WAVES = "SPMD_ENGINE_DP_WAVES"
 WORKER_MULTIPROC_METHOD = "SPMD_ENGINE_WORKER_MULTIPROC_METHOD"
 CPU_PACKED_WEIGHTS = "SPMD_ENGINE_CPU_PACKED_WEIGHTS"
 CPU_BF16_GEMM = "SPMD_ENGINE_CPU_BF16_GEMM"
+CPU_DECODE_ATTENTION = "SPMD_ENGINE_CPU_DECODE_ATTENTION"
 DISABLE_SHM_ALLREDUCE = "SPMD_ENGINE_DISABLE_SHM_ALLREDUCE"
 DISABLE_SHM_HANDOFF = "SPMD_ENGINE_DISABLE_SHM_HANDOFF"
 CPU_BF16 = "SPMD_ENGINE_CPU_BF16"
@@ -76,6 +77,16 @@ def cpu_bf16_gemm(environ: Mapping[str, str] = os.environ) -> str:
     raw = environ.get(CPU_BF16_GEMM, "auto") or "auto"
     if raw not in ("auto", "onednn", "vnni", "avx512"):
         raise ConfigError(f"{CPU_BF16_GEMM}={raw!r}: expected 'auto', 'onednn', 'vnni' or 'avx512'")
+    return raw
+
+
+def cpu_decode_attention(environ: Mapping[str, str] = os.environ) -> str:
+    """How decode-shaped steps attend on CPU: "auto" (default: the kernel of
+    model/layers/decode_attention.py where it builds and checks out, else torch code), "torch"
+    (torch code: SDPA eager, traced loops compiled), or "kernel" (an error where it cannot)."""
+    raw = environ.get(CPU_DECODE_ATTENTION, "auto") or "auto"
+    if raw not in ("auto", "torch", "kernel"):
+        raise ConfigError(f"{CPU_DECODE_ATTENTION}={raw!r}: expected 'auto', 'torch' or 'kernel'")
     return raw
 
 

@@ -99,12 +99,14 @@ def digest(model, chunk_length: int, backend: str, mode: str | None, single: boo
     of one-token steps; `decode`: of decode-shaped steps (attention traced)."""
     from spmd_engine.model.layers.linear import RowParallelLinear
     first = next(iter(model.model.layers.values()))
+    from spmd_engine.model.layers import decode_attention
     from spmd_engine.model.layers.packed_weights import layout
     packed = tuple(layout(m.weight) for m in first.modules() if getattr(m, "packable_weight", False))
+    kernel = decode and decode_attention.usable(model.device)  # the graph calls the kernel's op
     groups = tuple(getattr(m, "compile_group", None) for m in model.modules() if isinstance(m, RowParallelLinear))
     facts = ("aoti", torch.__version__, sys.version, platform.machine(), torch.backends.cpu.get_cpu_capability(),
              torch.get_num_threads(), _source_digest(), repr(model.spec), str(model.dtype), model.device.type,
-             model.tp_group.world_size, groups, packed, chunk_length, backend, mode, single, decode)
+             model.tp_group.world_size, groups, packed, chunk_length, backend, mode, single, decode, kernel)
     return hashlib.sha256(repr(facts).encode()).hexdigest()[:32]
 
 

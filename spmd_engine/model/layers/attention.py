@@ -32,6 +32,7 @@ from torch import nn
 
 from spmd_engine.model import compilation
 from spmd_engine.model.layers import batch_invariant as bi
+from spmd_engine.model.layers import decode_attention as decode_kernel
 
 PAD_LIMIT = 1.25  # a group's padded queries may exceed its real ones by at most this factor
 
@@ -248,6 +249,8 @@ class Attention(nn.Module):
         if self.k_cache is None:
             raise RuntimeError("KV cache not allocated: the model runner allocates it before the first step")
         if isinstance(attn, tuple):  # a DecodeStep's tensors, traced into the compiled graph
+            if decode_kernel.usable(q.device):
+                return decode_kernel.decode(q, k, v, self.k_cache, self.v_cache, attn, self.scale)
             return decode_attention(q, k, v, self.k_cache, self.v_cache, attn, self.scale)
         if attn is compilation.COMPILED:  # traced: the metadata comes through forward_context
             return torch.ops.spmd_engine.attention(q, k, v, self.k_cache, self.v_cache, self.scale)
@@ -267,6 +270,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     """Write the step's K/V to their slots, then attend: q [N, heads, D], k and v [N, kv_heads, D]
     packed tokens; returns [N, heads * D]. Heads and sizes are read from the shapes."""
     heads, kv, D = q.shape[1], k.shape[1], q.shape[2]
+    step = attn.decode_step()
+    if step is not None and decode_kernel.usable(q.device):  # writes the step's K/V too
+        return decode_kernel.decode(q, k, v, k_cache, v_cache, step, scale)
     if attn.slot_mapping is not None:  # None: a dummy step (DP waves) writes nothing
         k_cache.view(-1, kv, D).index_copy_(0, attn.slot_mapping, k)
         v_cache.view(-1, kv, D).index_copy_(0, attn.slot_mapping, v)

@@ -1,0 +1,291 @@
+// Attention for a decode-shaped step over the paged KV cache: every token is one request's new
+// token, its K/V written to its slot first, then it attends to its request's first seq_len keys.
+// decode_attention.py builds it (g++ -march=native) and registers its shape function.
+//
+// Why: traced, the same work became inductor loops that reduce each score with a horizontal sum
+// per key and recompute the softmax's max and sum in one thread: about 100 us a layer for 8
+// tokens over 100 keys, most of a decode step's non-matmul time (docs/performance.md). Here
+// each (token, KV head) pair converts each key once for all the query heads that share it, and
+// the loops over the head dim are plain float arithmetic that g++ vectorises.
+//
+// Each token's result depends on its own query and keys only, summed in key order: the bits
+// do not depend on the batch. float32 throughout, rounded to the cache's dtype once at the end.
+#include <immintrin.h>
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+// A row of the cache (or of q) as float32.
+inline void to_float(const float* src, float* dst, int64_t D) { std::memcpy(dst, src, D * sizeof(float)); }
+inline void to_float(const c10::BFloat16* src, float* dst, int64_t D) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  for (int64_t d = 0; d < D; ++d) {
+    const uint32_t wide = static_cast<uint32_t>(bits[d]) << 16;
+    std::memcpy(dst + d, &wide, sizeof wide);
+  }
+}
+template <typename T>
+inline void to_float(const T* src, float* dst, int64_t D) {
+  for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]);
+}
+
+#ifdef __AVX512F__
+// The AVX-512 path, for head dims of 16 * DV: a (token, KV head) pair's query heads in groups of
+// GB, whose queries (for the scores) and then outputs (for the weighted sum) stay in GB * DV
+// registers while the keys and values stream past once per group.
+namespace fast {
+
+template <typename T>
+inline __m512 load16(const T* p);
+template <>
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+template <>
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+template <>
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// exp_nonpositive, 16 at a time (the same steps, so the same bits as the scalar one).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(t, _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+// scores[0:L] -> e^(s - max), their sum returned (16 running sums, reduced once).
+inline float softmax_numerators(float* s, int64_t L) {
+  __m512 top = _mm512_set1_ps(-INFINITY);
+  int64_t j = 0;
+  for (; j + 16 <= L; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + j));
+  const __mmask16 tail = static_cast<__mmask16>((1u << (L - j)) - 1);
+  if (j < L) top = _mm512_mask_max_ps(top, tail, top, _mm512_maskz_loadu_ps(tail, s + j));
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+  __m512 total = _mm512_setzero_ps();
+  for (j = 0; j + 16 <= L; j += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), m));
+    _mm512_storeu_ps(s + j, e);
+    total = _mm512_add_ps(total, e);
+  }
+  if (j < L) {
+    const __m512 e = _mm512_maskz_mov_ps(tail, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + j), m)));
+    _mm512_mask_storeu_ps(s + j, tail, e);
+    total = _mm512_add_ps(total, e);
+  }
+  return _mm512_reduce_add_ps(total);
+}
+
+template <typename T, int DV, int GB>
+inline void heads(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t L, int64_t KV,
+                  int64_t g, int64_t BS, float scale, float* scores, int64_t stride, T* out) {
+  constexpr int64_t D = DV * 16;
+  __m512 r[GB][DV];
+#pragma GCC unroll 8
+  for (int h = 0; h < GB; ++h)
+#pragma GCC unroll 8
+    for (int v = 0; v < DV; ++v) r[h][v] = load16(q + h * D + v * 16);
+  for (int64_t j = 0; j < L; ++j) {
+    const T* key = k_cache + ((table[j / BS] * BS + j % BS) * KV + g) * D;
+    __m512 kr[DV];
+#pragma GCC unroll 8
+    for (int v = 0; v < DV; ++v) kr[v] = load16(key + v * 16);
+#pragma GCC unroll 8
+    for (int h = 0; h < GB; ++h) {
+      __m512 acc = _mm512_mul_ps(r[h][0], kr[0]);
+#pragma GCC unroll 8
+      for (int v = 1; v < DV; ++v) acc = _mm512_fmadd_ps(r[h][v], kr[v], acc);
+      scores[h * stride + j] = _mm512_reduce_add_ps(acc) * scale;
+    }
+  }
+  float inv[GB];
+  for (int h = 0; h < GB; ++h) inv[h] = 1.0f / softmax_numerators(scores + h * stride, L);
+#pragma GCC unroll 8
+  for (int h = 0; h < GB; ++h)
+#pragma GCC unroll 8
+    for (int v = 0; v < DV; ++v) r[h][v] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < L; ++j) {
+    const T* value = v_cache + ((table[j / BS] * BS + j % BS) * KV + g) * D;
+    __m512 vr[DV];
+#pragma GCC unroll 8
+    for (int v = 0; v < DV; ++v) vr[v] = load16(value + v * 16);
+#pragma GCC unroll 8
+    for (int h = 0; h < GB; ++h) {
+      const __m512 p = _mm512_set1_ps(scores[h * stride + j]);
+#pragma GCC unroll 8
+      for (int v = 0; v < DV; ++v) r[h][v] = _mm512_fmadd_ps(p, vr[v], r[h][v]);
+    }
+  }
+  alignas(64) float row[D];
+  for (int h = 0; h < GB; ++h) {
+    for (int v = 0; v < DV; ++v) _mm512_store_ps(row + v * 16, _mm512_mul_ps(r[h][v], _mm512_set1_ps(inv[h])));
+    for (int64_t d = 0; d < D; ++d) out[h * D + d] = static_cast<T>(row[d]);
+  }
+}
+
+// One (token, KV head) pair's G query heads, GB at a time (a tail of fewer by one at a time).
+template <typename T, int DV>
+inline void pair(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t L, int64_t KV,
+                 int64_t g, int64_t G, int64_t BS, float scale, float* scores, int64_t stride, T* out) {
+  constexpr int GB = DV <= 4 ? 4 : 2;  // GB * DV accumulators: 16 of the 32 registers
+  constexpr int64_t D = DV * 16;
+  int64_t h = 0;
+  for (; h + GB <= G; h += GB)
+    heads<T, DV, GB>(q + h * D, k_cache, v_cache, table, L, KV, g, BS, scale, scores, stride, out + h * D);
+  for (; h < G; ++h)
+    heads<T, DV, 1>(q + h * D, k_cache, v_cache, table, L, KV, g, BS, scale, scores, stride, out + h * D);
+}
+
+}  // namespace fast
+#endif
+
+// e^x for x <= 0 (a score minus its row's maximum): 2^n * 2^f with |f| <= 1/2, 2^f by its
+// Taylor series to r^6 (relative error under 2e-7); below -87 it is taken as e^-87 (1.6e-38),
+// which vanishes beside the row's maximum term (e^0 = 1).
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float t = x * 1.4426950408889634f;
+  const float n = std::floor(t + 0.5f);
+  const float r = (t - n) * 0.6931471805599453f;
+  const float p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+template <typename T>
+void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables, const int64_t* seq_lens,
+            T* out, int64_t N, int64_t H, int64_t KV, int64_t D, int64_t BS, int64_t nb, float scale) {
+  const int64_t G = H / KV;
+  int64_t longest = 0;
+  for (int64_t n = 0; n < N; ++n) longest = std::max(longest, seq_lens[n]);
+  // Small steps run on the calling thread: a parallel region costs more than they do.
+  const int64_t work = longest * D * (G + 1) * 2;
+  const int64_t grain = std::max<int64_t>(1, (1 << 17) / std::max<int64_t>(1, work));
+  at::parallel_for(0, N * KV, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), row(D), scores(G * longest), acc(G * D), sums(G);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t n = item / KV, g = item % KV, L = std::min(seq_lens[n], nb * BS);
+      const int64_t* table = tables + n * nb;
+      const T* qn = q + (n * H + g * G) * D;  // the G query heads sharing KV head g
+      T* on = out + (n * H + g * G) * D;
+#ifdef __AVX512F__
+      if constexpr (!std::is_same_v<T, double>) {
+        if (D == 64) {
+          fast::pair<T, 4>(qn, k_cache, v_cache, table, L, KV, g, G, BS, scale, scores.data(), longest, on);
+          continue;
+        }
+        if (D == 128) {
+          fast::pair<T, 8>(qn, k_cache, v_cache, table, L, KV, g, G, BS, scale, scores.data(), longest, on);
+          continue;
+        }
+      }
+#endif
+      to_float(qn, qf.data(), G * D);
+      for (int64_t j = 0; j < L; ++j) {
+        to_float(k_cache + ((table[j / BS] * BS + j % BS) * KV + g) * D, row.data(), D);
+        for (int64_t h = 0; h < G; ++h) {
+          float dot = 0.0f;
+          for (int64_t d = 0; d < D; ++d) dot += qf[h * D + d] * row[d];
+          scores[h * longest + j] = dot * scale;
+        }
+      }
+      for (int64_t h = 0; h < G; ++h) {
+        float* s = scores.data() + h * longest;
+        float top = s[0];
+        for (int64_t j = 1; j < L; ++j) top = std::max(top, s[j]);
+        float total = 0.0f;
+        for (int64_t j = 0; j < L; ++j) {
+          s[j] = exp_nonpositive(s[j] - top);
+          total += s[j];
+        }
+        sums[h] = total;
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t j = 0; j < L; ++j) {
+        to_float(v_cache + ((table[j / BS] * BS + j % BS) * KV + g) * D, row.data(), D);
+        for (int64_t h = 0; h < G; ++h) {
+          const float p = scores[h * longest + j];
+          for (int64_t d = 0; d < D; ++d) acc[h * D + d] += p * row[d];
+        }
+      }
+      for (int64_t h = 0; h < G; ++h) {
+        const float inv = 1.0f / sums[h];
+        for (int64_t d = 0; d < D; ++d) on[h * D + d] = static_cast<T>(acc[h * D + d] * inv);
+      }
+    }
+  });
+}
+
+// q [N, H, D], k and v [N, KV, D] (this step's new tokens), caches [blocks, BS, KV, D] (written at
+// `slots`, [N]), block_tables [N, nb], seq_lens [N] (keys each token sees, its own included).
+// Returns [N, H * D]. The caches are written in place: the schema says nothing of it, as for
+// spmd_engine::attention (no code of the graph reads a cache but this op).
+at::Tensor decode(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& k_cache,
+                  const at::Tensor& v_cache, const at::Tensor& slots_in, const at::Tensor& tables_in,
+                  const at::Tensor& lens_in, double scale) {
+  TORCH_CHECK(q_in.dim() == 3 && k_in.dim() == 3 && v_in.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
+              "decode attention: q, k, v [N, heads, D] and caches [blocks, block_size, kv_heads, D]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "decode attention: contiguous caches");
+  const at::Tensor q = q_in.contiguous(), k = k_in.to(k_cache.scalar_type()).contiguous(),
+                   v = v_in.to(v_cache.scalar_type()).contiguous();
+  const at::Tensor slots = slots_in.to(at::kLong).contiguous(), tables = tables_in.to(at::kLong).contiguous(),
+                   lens = lens_in.to(at::kLong).contiguous();
+  const int64_t N = q.size(0), H = q.size(1), D = q.size(2), KV = k_cache.size(2), BS = k_cache.size(1);
+  const int64_t blocks = k_cache.size(0), nb = tables.size(1);
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "decode attention: q and the cache differ in dtype");
+  TORCH_CHECK(k_cache.size(3) == D && k.size(1) == KV && k.size(2) == D && v.sizes() == k.sizes() && k.size(0) == N
+              && v_cache.sizes() == k_cache.sizes() && H % KV == 0, "decode attention: mismatched shapes");
+  TORCH_CHECK(slots.numel() == N && tables.dim() == 2 && tables.size(0) == N && lens.numel() == N,
+              "decode attention: one slot, table row and length per token");
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const int64_t* tb = tables.data_ptr<int64_t>();
+  const int64_t* ln = lens.data_ptr<int64_t>();
+  for (int64_t n = 0; n < N; ++n) {
+    TORCH_CHECK(sl[n] >= 0 && sl[n] < blocks * BS, "decode attention: slot ", sl[n], " outside the cache");
+    TORCH_CHECK(ln[n] >= 1 && ln[n] <= nb * BS, "decode attention: ", ln[n], " keys for a table of ", nb, " blocks");
+    for (int64_t b = 0; b < (ln[n] + BS - 1) / BS; ++b)
+      TORCH_CHECK(tb[n * nb + b] >= 0 && tb[n * nb + b] < blocks, "decode attention: block ", tb[n * nb + b],
+                  " outside the cache");
+  }
+  at::Tensor out = at::empty({N, H * D}, q.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
+    const int64_t row = KV * D;
+    auto* kc = k_cache.data_ptr<scalar_t>();
+    auto* vc = v_cache.data_ptr<scalar_t>();
+    for (int64_t n = 0; n < N; ++n) {
+      std::memcpy(kc + sl[n] * row, k.data_ptr<scalar_t>() + n * row, row * sizeof(scalar_t));
+      std::memcpy(vc + sl[n] * row, v.data_ptr<scalar_t>() + n * row, row * sizeof(scalar_t));
+    }
+    attend<scalar_t>(q.data_ptr<scalar_t>(), kc, vc, tb, ln, out.data_ptr<scalar_t>(), N, H, KV, D, BS, nb,
+                     static_cast<float>(scale));
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(spmd_decode_attention, m) {
+  m.def("decode(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor block_tables, "
+        "Tensor seq_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(spmd_decode_attention, CPU, m) {
+  m.impl("decode", decode);
+}
