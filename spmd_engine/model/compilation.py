@@ -17,8 +17,10 @@ Three things inside a layer are opaque to the compiler, each a custom op with a 
   - `spmd_engine::attention`: the paged KV-cache write and the attention read, given the
     step's AttentionMetadata through `forward_context` (Python lists and dataclasses, never
     traced: a step's metadata is not a guard, so a new batch does not recompile);
-  - `spmd_engine::linear`: the matmul, packed weight (oneDNN or vnni_gemm) or not: inductor cannot read a
-    packed tensor, and traced, a packed weight looks like a plain one;
+  - `spmd_engine::linear`: the matmul, oneDNN-packed weight or not: inductor cannot read a
+    packed tensor, and traced, a packed weight looks like a plain one (a weight packed for
+    vnni_gemm is a plain 4-D tensor: the graph calls that kernel's C++ op itself, with no Python
+    on the way, about 10 us a call less);
   - `spmd_engine::all_reduce`: the TP sum over our shared-memory path (distributed/), never
     traced: the group is looked up by a number fixed at set-up.
 A step's token count N varies: the chunk's inputs are marked dynamic along it, so one graph

@@ -36,8 +36,10 @@ ENV_FLAG = envs.CPU_PACKED_WEIGHTS
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T + b, whether W is a plain tensor or a packed one."""
     if torch.compiler.is_compiling():
-        # Traced, a packed weight looks like a plain one (is_mkldnn is False on fake tensors) and
-        # inductor cannot read its storage: an opaque op that decides when it runs.
+        if weight.dim() == 4:  # vnni_gemm's layout, plain to the tracer: its C++ op, no Python between
+            return vnni_gemm.linear(x, weight, bias)
+        # Traced, a oneDNN-packed weight looks like a plain one (is_mkldnn is False on fake tensors)
+        # and inductor cannot read its storage: an opaque op that decides when it runs.
         return torch.ops.spmd_engine.linear(x, weight, bias)
     return eager_linear(x, weight, bias)
 

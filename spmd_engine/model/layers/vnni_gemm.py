@@ -125,6 +125,7 @@ def unavailable() -> str | None:
         return "no g++ on PATH to build it with"
     try:
         torch.ops.load_library(str(native.built(SOURCE)))
+        _register_fake()
         for tiles in (False, True):
             if _use_tiles(tiles) != tiles:
                 break  # no AMX in this build or from this OS: the AVX-512 path only
@@ -138,6 +139,16 @@ def unavailable() -> str | None:
     except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else ""
         return f"building, loading or trying it failed ({type(exc).__name__}: {first})"
+
+
+def _register_fake() -> None:
+    """The op's shape function: compiled graphs call it directly (once per process)."""
+    if torch._C._dispatch_has_kernel_for_dispatch_key("spmd_vnni_gemm::linear", "Meta"):
+        return
+
+    @torch.library.register_fake("spmd_vnni_gemm::linear")
+    def _fake(x, packed, bias):
+        return x.new_empty(x.shape[0], packed.shape[0] * 16)
 
 
 def _trial_disagrees() -> str | None:

@@ -211,8 +211,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
 }  // namespace
 
 TORCH_LIBRARY(spmd_vnni_gemm, m) {
-  m.def("linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor", linear);
+  m.def("linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");  // a CPU kernel (below), so it can have a shape function
   // Whether weights with K % 32 == 0 take the AMX path from now on: asks the OS for the tile
   // state once; false where the build has no AMX or the OS refuses.
   m.def("use_amx(bool enable) -> bool", use_amx);
+}
+
+TORCH_LIBRARY_IMPL(spmd_vnni_gemm, CPU, m) {
+  m.impl("linear", linear);
 }
