@@ -153,11 +153,12 @@ def _register_fake() -> None:
 
 def _trial_disagrees() -> str | None:
     """The kernel's code paths (groups of 1-4 blocks, 6-row tiles and shorter tails, bias; on
-    the AMX path, K % 32 == 0: one and two blocks, up to 16 rows, an overlapping last chunk)
+    the AMX path, K % 32 == 0: one and two blocks, up to 16 rows, an overlapping last chunk,
+    chunks in pairs from 32 rows)
     against an fp32 matmul of the same bf16 values."""
     gen = torch.Generator().manual_seed(0)
     for n, k, m, with_bias in ((48, 40, 11, True), (32, 64, 8, False), (16, 6, 1, True), (64, 128, 19, False),
-                               (48, 96, 16, True), (16, 32, 1, False)):
+                               (48, 96, 16, True), (16, 32, 1, False), (48, 64, 37, True)):
         w = torch.randn(n, k, generator=gen).bfloat16()
         x = torch.randn(m, k, generator=gen).bfloat16()
         b = torch.randn(n, generator=gen).bfloat16() if with_bias else None

@@ -83,8 +83,10 @@ namespace amx {
 constexpr int kMaxRows = 16;  // rows of an A and a C tile
 constexpr int kPairs = 16;    // k pairs of a B tile: 32 values of k per multiply
 
-// Tiles: C0 = 0 and C1 = 1 (fp32 accumulators of two 16-column blocks), A = 2 (rows x 32 k of
-// x), B0 = 3 and B1 = 4 (the two blocks' weights for those 32 k).
+// Tiles: C = 0 to 3 (fp32 accumulators: two row chunks by two 16-column blocks), A = 4 and 5
+// (a row chunk's 32 values of k each), B = 6 and 7 (the two blocks' weights for those 32 k).
+// Up to 32 rows one row chunk at a time (C = 0 and 1, A = 4); from 32 rows two at a time, so
+// each tile load feeds two multiplies. A row's arithmetic is the same either way.
 struct alignas(64) Config {
   uint8_t palette = 1;
   uint8_t start_row = 0;
@@ -95,9 +97,9 @@ struct alignas(64) Config {
 
 inline Config config(int rows) {
   Config c;
-  for (int t = 0; t < 5; ++t) {
+  for (int t = 0; t < 8; ++t) {
     c.colsb[t] = 64;
-    c.rows[t] = t >= 3 ? kPairs : rows;
+    c.rows[t] = t >= 6 ? kPairs : rows;
   }
   return c;
 }
@@ -116,12 +118,12 @@ inline void tile(const uint16_t* x, int64_t K, const uint16_t* wb, const Out& o,
   if constexpr (NB == 2) _tile_zero(1);
   const uint16_t* xr = x + row * K;
   for (int64_t k = 0; k < K; k += 2 * kPairs) {
-    _tile_loadd(2, xr + k, K * 2);
-    _tile_loadd(3, wb + k * 16, 64);
-    _tile_dpbf16ps(0, 2, 3);
+    _tile_loadd(4, xr + k, K * 2);
+    _tile_loadd(6, wb + k * 16, 64);
+    _tile_dpbf16ps(0, 4, 6);
     if constexpr (NB == 2) {
-      _tile_loadd(4, wb + K * 16 + k * 16, 64);
-      _tile_dpbf16ps(1, 2, 4);
+      _tile_loadd(7, wb + K * 16 + k * 16, 64);
+      _tile_dpbf16ps(1, 4, 7);
     }
   }
   _tile_stored(0, scratch, 64);
@@ -130,11 +132,47 @@ inline void tile(const uint16_t* x, int64_t K, const uint16_t* wb, const Out& o,
     for (int j = 0; j < NB; ++j) store16(o, row + m, col + j * 16, _mm512_loadu_ps(scratch + (j * kMaxRows + m) * 16));
 }
 
-// Blocks [begin, end) for all M rows: chunks of up to 16 rows; past 16 the last chunk is the
+// Two chunks of 16 rows (at row0 and row1) against NB blocks at `col`.
+template <int NB>
+inline void tile2(const uint16_t* x, int64_t K, const uint16_t* wb, const Out& o, int64_t row0, int64_t row1,
+                  int64_t col, float* scratch) {
+  _tile_zero(0);
+  _tile_zero(2);
+  if constexpr (NB == 2) {
+    _tile_zero(1);
+    _tile_zero(3);
+  }
+  for (int64_t k = 0; k < K; k += 2 * kPairs) {
+    _tile_loadd(4, x + row0 * K + k, K * 2);
+    _tile_loadd(5, x + row1 * K + k, K * 2);
+    _tile_loadd(6, wb + k * 16, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(2, 5, 6);
+    if constexpr (NB == 2) {
+      _tile_loadd(7, wb + K * 16 + k * 16, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, scratch, 64);
+  _tile_stored(2, scratch + 2 * kMaxRows * 16, 64);
+  if constexpr (NB == 2) {
+    _tile_stored(1, scratch + kMaxRows * 16, 64);
+    _tile_stored(3, scratch + 3 * kMaxRows * 16, 64);
+  }
+  for (int half = 0; half < 2; ++half)
+    for (int m = 0; m < kMaxRows; ++m)
+      for (int j = 0; j < NB; ++j)
+        store16(o, (half ? row1 : row0) + m, col + j * 16,
+                _mm512_loadu_ps(scratch + ((half * 2 + j) * kMaxRows + m) * 16));
+}
+
+// Blocks [begin, end) for all M rows, in chunks of up to 16 rows; past 16 the last chunk is the
 // last 16 rows (it recomputes some rows of the chunk before it, to the same bits: a row's sum
-// does not depend on the rows beside it), so one configuration serves the whole call. The
-// thread's previous configuration is put back afterwards: other AMX users (oneDNN) may keep
-// track of what they loaded.
+// does not depend on the rows beside it), so one configuration serves the whole call. From 32
+// rows the chunks go in pairs, 16 chunks (256 rows of x, kept in cache) against every block
+// before the next 16. The thread's previous configuration is put back afterwards: other AMX
+// users (oneDNN) may keep track of what they loaded.
 void blocks(int64_t M, const uint16_t* x, int64_t K, const uint16_t* w, const Out& o, int64_t begin,
             int64_t end) {
   alignas(64) uint8_t saved[64];
@@ -142,13 +180,27 @@ void blocks(int64_t M, const uint16_t* x, int64_t K, const uint16_t* w, const Ou
   const int R = static_cast<int>(std::min<int64_t>(M, kMaxRows));
   const Config cfg = config(R);
   _tile_loadconfig(&cfg);
-  alignas(64) float scratch[2 * kMaxRows * 16];
-  for (int64_t b = begin; b < end; b += 2) {
-    const uint16_t* wb = w + b * K * 16;
-    for (int64_t m = 0; m < M; m += R) {
-      const int64_t row = std::min<int64_t>(m, M - R);
-      if (end - b >= 2) tile<2>(x, K, wb, o, row, R, b * 16, scratch);
-      else tile<1>(x, K, wb, o, row, R, b * 16, scratch);
+  alignas(64) float scratch[4 * kMaxRows * 16];
+  if (M < 2 * kMaxRows) {
+    for (int64_t b = begin; b < end; b += 2) {
+      const uint16_t* wb = w + b * K * 16;
+      for (int64_t m = 0; m < M; m += R) {
+        const int64_t row = std::min<int64_t>(m, M - R);
+        if (end - b >= 2) tile<2>(x, K, wb, o, row, R, b * 16, scratch);
+        else tile<1>(x, K, wb, o, row, R, b * 16, scratch);
+      }
+    }
+  } else {
+    const int64_t chunks = (M + kMaxRows - 1) / kMaxRows;
+    for (int64_t first = 0; first < chunks; first += 16) {
+      for (int64_t b = begin; b < end; b += 2) {
+        const uint16_t* wb = w + b * K * 16;
+        for (int64_t c = first; c < std::min(first + 16, chunks); c += 2) {
+          const int64_t row0 = std::min(c * kMaxRows, M - kMaxRows), row1 = std::min((c + 1) * kMaxRows, M - kMaxRows);
+          if (end - b >= 2) tile2<2>(x, K, wb, o, row0, row1, b * 16, scratch);
+          else tile2<1>(x, K, wb, o, row0, row1, b * 16, scratch);
+        }
+      }
     }
   }
   if (saved[0] == 0) _tile_release();  // palette 0: the thread had no tiles configured
