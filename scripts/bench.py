@@ -829,6 +829,43 @@ def fig_decode_attention(args) -> None:
                  loadavg_1m=loadavg())
     finally:
         AttentionMetadata.decode_step = traced
+    fig_decode_attention_kernel(args)
+
+
+def fig_decode_attention_kernel(args) -> None:
+    """Decode steps' attention in the C++ kernel (model/layers/decode_attention.py) against the
+    torch code traced into the same compiled decode graph (SPMD_ENGINE_CPU_DECODE_ATTENTION=torch):
+    uni bf16 engines, one of each in turns (the choice is part of the graph, and one process
+    holds one uni engine at a time), each warmed up before it is timed."""
+    import torch
+
+    from spmd_engine import LLM, envs
+    from spmd_engine.model.layers import decode_attention
+    if not decode_attention.usable("cpu"):
+        print(f"decode_attention_kernel: skipped, {decode_attention.unavailable()}", file=sys.stderr)
+        return
+    model_dir = random_llama(args)
+    new = 16 if args.quick else 64
+    for batch in (8, 32):
+        prompts = prompts_for(batch, 32, LLAMA_SHAPE["vocab_size"])
+        rates = {"kernel": [], "torch": []}
+        for _ in range(args.reps):
+            for kind in rates:
+                os.environ[envs.CPU_DECODE_ATTENTION] = "auto" if kind == "kernel" else "torch"
+                try:
+                    llm = LLM(model=model_dir, dtype="bfloat16", max_model_len=32 + new + 8,
+                              max_num_seqs=batch, distributed_executor_backend="uni")
+                finally:
+                    os.environ.pop(envs.CPU_DECODE_ATTENTION)
+                time_engine(llm, prompts, 4)
+                rates[kind].append(time_engine(llm, prompts, new))
+                llm.shutdown()
+        v, b = statistics.median(rates["kernel"]), statistics.median(rates["torch"])
+        emit(f"decode_attention_kernel_tokens_per_s_b{batch}", v, b, v / b, "tokens/s", batch=batch,
+             dtype="bfloat16", new_tokens=new, reps=args.reps, threads=torch.get_num_threads(),
+             ratio_is="value/baseline, higher is better",
+             baseline_is="the same engine with SPMD_ENGINE_CPU_DECODE_ATTENTION=torch (attention traced into the graph)",
+             loadavg_1m=loadavg())
 
 
 # ---------------------------------------------------------------- startup
