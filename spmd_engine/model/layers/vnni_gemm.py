@@ -9,6 +9,13 @@ under a lock, so the processes of one job build it once; a CPU without the instr
 machine without g++, a failed build or a trial that disagrees with `F.linear` leaves the
 weights to oneDNN (`SPMD_ENGINE_CPU_BF16_GEMM=vnni` makes any of those an error instead).
 
+On CPUs with AMX, oneDNN uses the tile unit and the AVX-512 kernel, bound by arithmetic from
+eight rows up, lost to it (1.2x its time at 8 rows, 3x at 32); so the kernel has an AMX path on
+the same packed layout, for weights whose K is a multiple of 32, tried at start-up beside the
+AVX-512 one and used where the build targets AMX and the OS grants the tile state (0.6x
+oneDNN's time at 8 rows; `SPMD_ENGINE_CPU_BF16_GEMM=avx512` keeps the AVX-512 path). Which path
+a weight takes depends on its K and the process, never on the batch.
+
 A packed weight is a plain bf16 tensor of shape [N / 16, K / 2, 16, 2]: the four dimensions
 tell `packed_weights.linear` which kernel it is for, and no code that expects an [N, K]
 weight can read it by mistake.
