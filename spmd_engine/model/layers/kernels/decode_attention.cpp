@@ -5,8 +5,9 @@
 // Why: traced, the same work became inductor loops that reduce each score with a horizontal sum
 // per key and recompute the softmax's max and sum in one thread: about 100 us a layer for 8
 // tokens over 100 keys, most of a decode step's non-matmul time (docs/performance.md). Here
-// each (token, KV head) pair converts each key once for all the query heads that share it, and
-// the loops over the head dim are plain float arithmetic that g++ vectorises.
+// each (token, KV head) pair reads each key and value once for the query heads that share it
+// (up to 4 at head dim 64, 2 at 128), holding their queries and outputs in AVX-512 registers;
+// other head dims, and CPUs without AVX-512, take plain loops (about 3x slower).
 //
 // Each token's result depends on its own query and keys only, summed in key order: the bits
 // do not depend on the batch. float32 throughout, rounded to the cache's dtype once at the end.
@@ -57,7 +58,7 @@ inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// exp_nonpositive, 16 at a time (the same steps, so the same bits as the scalar one).
+// exp_nonpositive (below), 16 at a time, by the same steps.
 inline __m512 exp16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
   const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
