@@ -329,7 +329,7 @@ def _attend(q, k, v, g: RowGroup, k_cache, v_cache, scale) -> torch.Tensor:
         group = heads // kv
         out = F.scaled_dot_product_attention(qg.reshape(G, kv, group * T, D), keys, values,
                                              attn_mask=g.folded_mask(group), scale=scale)
-        out = out.view(G, heads, T, D)
+        out = out.reshape(G, heads, T, D)  # a view fails on CUDA, whose SDPA may lay its output out otherwise
     out = out.transpose(1, 2).reshape(G * T, heads, D)
     return out if g.pad_index is None else out[g.pad_index]
 

@@ -59,3 +59,30 @@ def test_only_decode_shaped_steps_have_a_decode_step():
     assert step.block_tables.tolist() == [[3, 0], [4, 5]] and step.seq_lens.tolist() == [3, 7]
     one_block = AttentionMetadata.build([2], [1], [[3]], bs, "cpu").decode_step()
     assert one_block.block_tables.tolist() == [[3, 0]]  # padded: a width of 1 would be a graph of its own
+
+
+def test_paged_attention_takes_sdpa_output_in_any_layout(monkeypatch):
+    """SDPA's output strides are its backend's choice: CUDA's kernels hand back [G, T, heads, D]
+    memory seen as [G, heads, T, D], where a view of the folded GQA heads failed (an engine on one
+    H200 died at its first decode step). Here SDPA is made to answer in that layout on CPU."""
+    from spmd_engine import envs
+    from spmd_engine.model.layers import attention
+    monkeypatch.setenv(envs.CPU_DECODE_ATTENTION, "torch")  # the SDPA path, not the kernel
+    gen = torch.Generator().manual_seed(6)
+    bs, D, contexts = 4, 16, [3, 9, 5]
+    tables = [[0, 1, 2], [3, 4, 5], [6, 7]]
+    attn = AttentionMetadata.build(contexts, [1] * len(contexts), tables, bs, "cpu")
+    q = torch.randn(len(contexts), 8, D, generator=gen)
+    k, v = (torch.randn(len(contexts), 2, D, generator=gen) for _ in range(2))
+    caches = _caches(10, bs, 2, D, torch.float32, gen)
+    want = paged_attention(q, k, v, *(c.clone() for c in caches), attn, D ** -0.5)
+    sdpa = attention.F.scaled_dot_product_attention
+
+    def cuda_like(*args, **kwargs):
+        out = sdpa(*args, **kwargs)
+        return out.transpose(1, 2).contiguous().transpose(1, 2)  # same values, [B, T, H, D] memory
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", cuda_like)
+    got = paged_attention(q, k, v, *caches, attn, D ** -0.5)
+    assert torch.equal(got, want)
+
