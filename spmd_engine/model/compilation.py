@@ -193,7 +193,7 @@ class CompiledLayers:
         self.model_ref = weakref.ref(model)
         self.backend, self.mode = backend, mode
         self.chunks = chunks(list(model.model.layers.values()), layers_per_graph)
-        self.ahead = precompiled.applies(backend)
+        self.ahead = precompiled.applies(backend, model.device)
         self.min_tokens = max(1, int(min_tokens))
         self.built: dict[tuple[int, bool, bool], object] = {}  # (chunk length, one token?, decode?) -> graph
         self.loaded: list[str] = []  # files the built graphs came from (the rest were compiled now)

@@ -155,3 +155,15 @@ def test_a_size_named_by_a_weight_or_cache_seen_before_still_binds_the_step_inpu
         assert package.accepts(example[:4] + [torch.zeros(5, dtype=torch.long)])
         assert not package.accepts(example[:4] + [torch.zeros(6, dtype=torch.long)])
         package.remember(example, leading=3)
+
+
+def test_packages_are_for_cpu_graphs_only():
+    """On CUDA the layers go through dynamo at every start: on an H200 (torch 2.11) loading a
+    CUDA package crashed the process (docs/running.md)."""
+    import torch.compiler.config
+    if torch.compiler.config.force_disable_caches:
+        pytest.skip("inductor's caches are forced off here")
+    assert precompiled.applies("inductor", "cpu") and precompiled.applies("inductor", torch.device("cpu"))
+    assert not precompiled.applies("inductor", "cuda") and not precompiled.applies("inductor", torch.device("cuda", 0))
+    assert not precompiled.applies("eager", "cpu")
+
