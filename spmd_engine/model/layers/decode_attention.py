@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import shutil
-import subprocess
 from pathlib import Path
 
 import torch
@@ -56,25 +54,16 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Ten
 @functools.lru_cache(maxsize=None)
 def unavailable() -> str | None:
     """Why the kernel cannot be used here, or None once it is loaded and its trial agrees."""
-    if shutil.which("g++") is None:
-        return "no g++ on PATH to build it with"
-    try:
-        torch.ops.load_library(str(native.built(SOURCE)))
-        _register_fake()
-        return _trial_disagrees()
-    except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
-        first = str(exc).splitlines()[0] if str(exc) else ""
-        return f"building, loading or trying it failed ({type(exc).__name__}: {first})"
+    return native.unavailable(_load_and_try)
 
 
-def _register_fake() -> None:
-    """The op's shape function, for compiled graphs (once per process)."""
-    if torch._C._dispatch_has_kernel_for_dispatch_key("spmd_decode_attention::decode", "Meta"):
-        return
+def _load_and_try() -> str | None:
+    native.load(SOURCE, {"spmd_decode_attention::decode": _fake})
+    return _trial_disagrees()
 
-    @torch.library.register_fake("spmd_decode_attention::decode")
-    def _fake(q, k, v, k_cache, v_cache, slots, block_tables, seq_lens, scale):
-        return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+def _fake(q, k, v, k_cache, v_cache, slots, block_tables, seq_lens, scale):
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
 def reference(q, k, v, k_cache, v_cache, step, scale) -> torch.Tensor:

@@ -11,16 +11,39 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 logger = logging.getLogger("spmd_engine")
 
 FOLDER = "spmd_engine_kernels"
+
+
+def unavailable(load_and_try: Callable[[], str | None]) -> str | None:
+    """Why a kernel cannot be used here, or None: no g++, or `load_and_try` (which loads the
+    library and runs its trial) failing to build, load or run it, or saying why not."""
+    if shutil.which("g++") is None:
+        return "no g++ on PATH to build it with"
+    try:
+        return load_and_try()
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        return f"building, loading or trying it failed ({type(exc).__name__}: {first})"
+
+
+def load(source: Path, fakes: dict[str, Callable]) -> None:
+    """Load `source`'s library (built first if need be) and give its ops their shape functions,
+    for compiled graphs that call them (once per process)."""
+    torch.ops.load_library(str(built(source)))
+    for name, fake in fakes.items():
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(name, "Meta"):
+            torch.library.register_fake(name, fake)
 
 
 def built(source: Path) -> Path:

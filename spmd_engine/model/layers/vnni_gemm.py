@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import shutil
-import subprocess
 from pathlib import Path
 
 import torch
@@ -128,34 +126,26 @@ def unavailable() -> str | None:
     missing = [names[0] for names in NEEDED_FLAGS if not flags.intersection(names)]
     if missing:
         return f"this CPU lacks {', '.join(missing)}"
-    if shutil.which("g++") is None:
-        return "no g++ on PATH to build it with"
-    try:
-        torch.ops.load_library(str(native.built(SOURCE)))
-        _register_fake()
-        for tiles in (False, True):
-            if _use_tiles(tiles) != tiles:
-                break  # no AMX in this build or from this OS: the AVX-512 path only
-            disagrees = _trial_disagrees()
-            if disagrees:
-                _use_tiles(False)
-                return disagrees + (" on its AMX path" if tiles else "")
-            _Tiles.tried = tiles
-        _use_tiles(False)
-        return None
-    except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
-        first = str(exc).splitlines()[0] if str(exc) else ""
-        return f"building, loading or trying it failed ({type(exc).__name__}: {first})"
+    return native.unavailable(_load_and_try)
 
 
-def _register_fake() -> None:
-    """The op's shape function: compiled graphs call it directly (once per process)."""
-    if torch._C._dispatch_has_kernel_for_dispatch_key("spmd_vnni_gemm::linear", "Meta"):
-        return
+def _load_and_try() -> str | None:
+    """Load the library and try both paths (the AMX one where this build and OS have it)."""
+    native.load(SOURCE, {"spmd_vnni_gemm::linear": _fake})
+    for tiles in (False, True):
+        if _use_tiles(tiles) != tiles:
+            break  # no AMX in this build or from this OS: the AVX-512 path only
+        disagrees = _trial_disagrees()
+        if disagrees:
+            _use_tiles(False)
+            return disagrees + (" on its AMX path" if tiles else "")
+        _Tiles.tried = tiles
+    _use_tiles(False)
+    return None
 
-    @torch.library.register_fake("spmd_vnni_gemm::linear")
-    def _fake(x, packed, bias):
-        return x.new_empty(x.shape[0], packed.shape[0] * 16)
+
+def _fake(x, packed, bias):
+    return x.new_empty(x.shape[0], packed.shape[0] * 16)
 
 
 def _trial_disagrees() -> str | None:
