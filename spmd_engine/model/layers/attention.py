@@ -268,11 +268,11 @@ class Attention(nn.Module):
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, attn: AttentionMetadata, scale: float) -> torch.Tensor:
     """Write the step's K/V to their slots, then attend: q [N, heads, D], k and v [N, kv_heads, D]
-    packed tokens; returns [N, heads * D]. Heads and sizes are read from the shapes."""
+    packed tokens; returns [N, heads * D]. Heads and sizes are read from the shapes. A
+    decode-shaped step goes to the decode attention kernel where it is usable (CPU)."""
     heads, kv, D = q.shape[1], k.shape[1], q.shape[2]
-    step = attn.decode_step()
-    if step is not None and decode_kernel.usable(q.device):  # writes the step's K/V too
-        return decode_kernel.decode(q, k, v, k_cache, v_cache, step, scale)
+    if decode_kernel.usable(q.device) and (step := attn.decode_step()) is not None:
+        return decode_kernel.decode(q, k, v, k_cache, v_cache, step, scale)  # writes the K/V too
     if attn.slot_mapping is not None:  # None: a dummy step (DP waves) writes nothing
         k_cache.view(-1, kv, D).index_copy_(0, attn.slot_mapping, k)
         v_cache.view(-1, kv, D).index_copy_(0, attn.slot_mapping, v)
