@@ -14,7 +14,6 @@ be built or its trial disagrees with torch's attention, steps keep the torch cod
 from __future__ import annotations
 
 import functools
-import logging
 from pathlib import Path
 
 import torch
@@ -23,8 +22,6 @@ import torch.nn.functional as F
 from spmd_engine import envs
 from spmd_engine.config import ConfigError
 from spmd_engine.model.layers import native
-
-logger = logging.getLogger("spmd_engine")
 
 SOURCE = Path(__file__).resolve().parent / "kernels" / "decode_attention.cpp"
 

@@ -38,6 +38,12 @@ inline void to_float(const T* src, float* dst, int64_t D) {
   for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]);
 }
 
+// Where key or value j of KV head g starts in a cache [blocks, BS, KV, D], through the token's
+// block table: the one place the paged layout is spelled out.
+inline int64_t cache_row(const int64_t* table, int64_t j, int64_t BS, int64_t KV, int64_t g, int64_t D) {
+  return ((table[j / BS] * BS + j % BS) * KV + g) * D;
+}
+
 #ifdef __AVX512F__
 // The AVX-512 path, for head dims of 16 * DV: a (token, KV head) pair's query heads in groups of
 // GB, whose queries (for the scores) and then outputs (for the weighted sum) stay in GB * DV
@@ -102,7 +108,7 @@ inline void heads(const T* q, const T* k_cache, const T* v_cache, const int64_t*
 #pragma GCC unroll 8
     for (int v = 0; v < DV; ++v) r[h][v] = load16(q + h * D + v * 16);
   for (int64_t j = 0; j < L; ++j) {
-    const T* key = k_cache + ((table[j / BS] * BS + j % BS) * KV + g) * D;
+    const T* key = k_cache + cache_row(table, j, BS, KV, g, D);
     __m512 kr[DV];
 #pragma GCC unroll 8
     for (int v = 0; v < DV; ++v) kr[v] = load16(key + v * 16);
@@ -121,7 +127,7 @@ inline void heads(const T* q, const T* k_cache, const T* v_cache, const int64_t*
 #pragma GCC unroll 8
     for (int v = 0; v < DV; ++v) r[h][v] = _mm512_setzero_ps();
   for (int64_t j = 0; j < L; ++j) {
-    const T* value = v_cache + ((table[j / BS] * BS + j % BS) * KV + g) * D;
+    const T* value = v_cache + cache_row(table, j, BS, KV, g, D);
     __m512 vr[DV];
 #pragma GCC unroll 8
     for (int v = 0; v < DV; ++v) vr[v] = load16(value + v * 16);
@@ -200,7 +206,7 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* table
 #endif
       to_float(qn, qf.data(), G * D);
       for (int64_t j = 0; j < L; ++j) {
-        to_float(k_cache + ((table[j / BS] * BS + j % BS) * KV + g) * D, row.data(), D);
+        to_float(k_cache + cache_row(table, j, BS, KV, g, D), row.data(), D);
         for (int64_t h = 0; h < G; ++h) {
           float dot = 0.0f;
           for (int64_t d = 0; d < D; ++d) dot += qf[h * D + d] * row[d];
@@ -220,7 +226,7 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* table
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t j = 0; j < L; ++j) {
-        to_float(v_cache + ((table[j / BS] * BS + j % BS) * KV + g) * D, row.data(), D);
+        to_float(v_cache + cache_row(table, j, BS, KV, g, D), row.data(), D);
         for (int64_t h = 0; h < G; ++h) {
           const float p = scores[h * longest + j];
           for (int64_t d = 0; d < D; ++d) acc[h * D + d] += p * row[d];
