@@ -61,6 +61,31 @@ def test_only_decode_shaped_steps_have_a_decode_step():
     assert one_block.block_tables.tolist() == [[3, 0]]  # padded: a width of 1 would be a graph of its own
 
 
+def test_decode_shaped_metadata_is_the_general_builds():
+    """build's short path for decode-shaped steps gives what the general path does, field by field
+    (random batches, block sizes, contexts and tables with spare blocks), and the DecodeStep the
+    general path's group implies: its tables padded to two blocks, sequence lengths position + 1."""
+    import random
+    rng = random.Random(0)
+    for _ in range(300):
+        B, bs = rng.randint(1, 9), rng.choice([1, 2, 4, 16])
+        ctx = [rng.randint(1, 70) for _ in range(B)]
+        tables = [[rng.randint(0, 50) for _ in range(-(-(c + 1) // bs) + rng.randint(0, 2))] for c in ctx]
+        fast = AttentionMetadata.build(ctx, [1] * B, tables, bs, "cpu")
+        slow = AttentionMetadata._general(ctx, [1] * B, tables, bs, "cpu", False)
+        for name in ("num_tokens", "row_order", "row_start", "query_lens"):
+            assert getattr(fast, name) == getattr(slow, name), name
+        assert torch.equal(fast.slot_mapping, slow.slot_mapping) and torch.equal(fast.positions, slow.positions)
+        (f,), (s,) = fast.groups, slow.groups
+        assert (f.start, f.end, f.num_rows, f.width, f.pad_index) == (s.start, s.end, s.num_rows, s.width, None)
+        assert torch.equal(f.block_tables, s.block_tables) and torch.equal(f.mask, s.mask)
+        step, tables_2 = fast.decode_step(), s.block_tables
+        if tables_2.shape[1] < 2:
+            tables_2 = torch.cat([tables_2, torch.zeros_like(tables_2)], dim=1)
+        assert torch.equal(step.block_tables, tables_2) and torch.equal(step.slots, slow.slot_mapping)
+        assert torch.equal(step.seq_lens, slow.positions + 1)
+
+
 def test_paged_attention_takes_sdpa_output_in_any_layout(monkeypatch):
     """SDPA's output strides are its backend's choice: CUDA's kernels hand back [G, T, heads, D]
     memory seen as [G, heads, T, D], where a view of the folded GQA heads failed (an engine on one
