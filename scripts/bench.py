@@ -76,7 +76,7 @@ from make_random_checkpoint import make_random_checkpoint  # noqa: E402
 
 FIGURES = ("rpc", "allreduce", "decode", "capacity", "prefix", "chunked", "tp", "tp4", "pp", "mixed", "startup", "load",
            "moe", "wave", "sampling", "batch_invariant", "compile",
-           "decode_attention")
+           "decode_attention", "cuda_graphs")
 LLAMA_SHAPE = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2, intermediate_size=1536,
                    vocab_size=32000, max_position_embeddings=8192)
 QWEN3_MOE_SHAPE = dict(architecture="Qwen3MoeForCausalLM", hidden_size=512, num_layers=8, num_heads=8,
@@ -1134,6 +1134,36 @@ def fig_greedy_engine(args) -> None:
         sampler.greedy_tokens = ours
 
 
+def fig_cuda_graphs(args) -> None:
+    """CUDA only: bf16 decode tokens/s with decode steps replayed as CUDA graphs (the default)
+    against the same engine with enforce_eager (every kernel launched from Python), at B = 1, 8
+    and 32, engines in turns (worker/decode_graphs.py)."""
+    import torch
+
+    from spmd_engine import LLM
+    if not torch.cuda.is_available():
+        print("cuda_graphs: no CUDA device here, nothing measured", file=sys.stderr)
+        return
+    model_dir = random_llama(args)
+    plen, new = 32, (16 if args.quick else 64)
+    for batch in (1, 8, 32):
+        prompts = prompts_for(batch, plen, LLAMA_SHAPE["vocab_size"])
+        common = dict(model=model_dir, dtype="bfloat16", max_model_len=plen + new + 8, max_num_seqs=batch,
+                      gpu_memory_utilization=0.3)
+        times = {}
+        for eager in (True, False):
+            with LLM(enforce_eager=eager, **common) as llm:
+                time_engine(llm, prompts, 4)
+                times[eager] = [time_engine(llm, prompts, new) for _ in range(args.reps)]
+                if not eager:
+                    sizes = llm.get_stats()[0]["runner"]["cuda_graph_sizes"]
+        v, b = statistics.median(times[False]), statistics.median(times[True])
+        emit(f"cuda_graphs_decode_tokens_per_s_b{batch}", v, b, v / b, "tokens/s", batch=batch, prompt=plen,
+             new_tokens=new, reps=args.reps, device=torch.cuda.get_device_name(), capture_sizes=sizes,
+             value_is="decode steps as CUDA graphs (default)", baseline_is="enforce_eager=True",
+             ratio_is="value/baseline, higher is better")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default=",".join(FIGURES), help=f"comma-separated subset of {','.join(FIGURES)}")
@@ -1152,7 +1182,7 @@ def main() -> None:
              "prefix": fig_prefix, "chunked": fig_chunked, "tp": fig_tp,
              "tp4": lambda a: fig_tp(a, 4), "pp": fig_pp, "mixed": fig_mixed, "startup": fig_startup, "load": fig_load,
              "moe": fig_moe, "wave": fig_wave, "sampling": fig_sampling, "batch_invariant": fig_batch_invariant,
-             "compile": fig_compile, "decode_attention": fig_decode_attention}
+             "compile": fig_compile, "decode_attention": fig_decode_attention, "cuda_graphs": fig_cuda_graphs}
     for name in FIGURES:
         if name in chosen:
             table[name](args)

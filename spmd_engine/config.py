@@ -283,16 +283,18 @@ class CacheConfig:
             _check_positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
 
 
-# vLLM's CompilationConfig keys that mean nothing here (CUDA graphs, its own passes): accepted,
+# vLLM's CompilationConfig keys that mean nothing here (its own passes, CUDA-graph details): accepted,
 # named in one warning. Any other key is an error (a typo is never swallowed).
 VLLM_COMPILATION_KEYS_IGNORED = frozenset("""
-    cudagraph_mode use_cudagraph full_cuda_graph cudagraph_capture_sizes cudagraph_num_of_warmups
-    cudagraph_copy_inputs cudagraph_specialize_lora max_capture_size max_cudagraph_capture_size
+    full_cuda_graph cudagraph_num_of_warmups cudagraph_copy_inputs cudagraph_specialize_lora max_capture_size max_cudagraph_capture_size
     splitting_ops use_inductor compile_sizes compile_ranges_split_points inductor_compile_config
     inductor_passes custom_ops pass_config debug_dump_path use_inductor_graph_partition
     compile_cache_save_format local_cache_dir dynamic_shapes_config
 """.split())
 COMPILATION_BACKENDS = ("inductor", "aot_eager", "eager")
+# vLLM's cudagraph_mode values. Every mode but NONE captures decode steps only here
+# (worker/decode_graphs.py): the other steps' shapes vary and run without a graph.
+CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 
 
 @dataclass
@@ -306,7 +308,10 @@ class CompilationConfig:
     steps with fewer tokens run eager, where the compiled graph's fixed cost exceeds its gain.
     `layers_per_graph` (ours): decoder layers per graph call; more is faster per step (fewer
     graph entries) and slower to trace at start-up. `cache_dir` (vLLM's name): inductor's
-    on-disk cache, TORCHINDUCTOR_CACHE_DIR when unset.
+    on-disk cache, TORCHINDUCTOR_CACHE_DIR when unset. `cudagraph_mode` and
+    `cudagraph_capture_sizes` (vLLM's names): CUDA graphs of decode steps on CUDA unless
+    enforce_eager (worker/decode_graphs.py); `use_cudagraph: false` (vLLM's older switch) is mode
+    NONE.
     """
 
     level: int | None = None
@@ -314,6 +319,8 @@ class CompilationConfig:
     min_tokens: int = 1
     layers_per_graph: int = 8
     cache_dir: str | None = None
+    cudagraph_mode: str | None = None  # None: FULL_DECODE_ONLY where graphs apply (CUDA, not eager)
+    cudagraph_capture_sizes: tuple[int, ...] | None = None  # None: vLLM's 1, 2, 4, 8, 16, ... to max_num_seqs
     ignored: tuple = ()  # vLLM keys given that have no effect here
 
     def __post_init__(self) -> None:
@@ -324,6 +331,19 @@ class CompilationConfig:
                               f"{', '.join(COMPILATION_BACKENDS)}")
         _check_positive("compilation_config min_tokens", self.min_tokens)
         _check_positive("compilation_config layers_per_graph", self.layers_per_graph)
+        if self.cudagraph_mode is not None:
+            mode = str(self.cudagraph_mode).upper().removeprefix("CUDAGRAPHMODE.")
+            if mode not in CUDAGRAPH_MODES:
+                raise ConfigError(f"compilation_config cudagraph_mode must be one of {', '.join(CUDAGRAPH_MODES)}, "
+                                  f"got {self.cudagraph_mode!r}")
+            self.cudagraph_mode = mode
+        if self.cudagraph_capture_sizes is not None:
+            sizes = self.cudagraph_capture_sizes
+            if isinstance(sizes, (str, bytes)) or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0
+                                                          for n in sizes) or not sizes:
+                raise ConfigError(f"compilation_config cudagraph_capture_sizes must be a list of positive "
+                                  f"integers, got {sizes!r}")
+            self.cudagraph_capture_sizes = tuple(sorted(set(sizes)))
 
     @property
     def compiled(self) -> bool:
@@ -353,12 +373,16 @@ class CompilationConfig:
             raise ConfigError(f"compilation_config gives level={values['level']!r} and mode={values['mode']!r}")
         if "mode" in values:
             values["level"] = values.pop("mode")
-        ours = {"level", "backend", "min_tokens", "layers_per_graph", "cache_dir"}
+        if values.get("use_cudagraph") is False and values.get("cudagraph_mode") is None:
+            values["cudagraph_mode"] = "NONE"  # vLLM's older switch
+        values.pop("use_cudagraph", None)
+        ours = {"level", "backend", "min_tokens", "layers_per_graph", "cache_dir", "cudagraph_mode",
+                "cudagraph_capture_sizes"}
         unknown = sorted(k for k in values if k not in ours and k not in VLLM_COMPILATION_KEYS_IGNORED)
         if unknown:
             raise ConfigError(f"compilation_config: unknown key(s) {', '.join(map(repr, unknown))} "
-                              f"(known here: {', '.join(sorted(ours | {'mode'}))}, and vLLM's CUDA-graph "
-                              f"and pass keys, which are ignored)")
+                              f"(known here: {', '.join(sorted(ours | {'mode', 'use_cudagraph'}))}, and vLLM's "
+                              f"pass keys, which are ignored)")
         ignored = tuple(sorted(k for k in values if k in VLLM_COMPILATION_KEYS_IGNORED))
         return cls(**{k: v for k, v in values.items() if k in ours}, ignored=ignored)
 

@@ -184,7 +184,27 @@ def resolve_compilation(enforce_eager: bool | None, compilation_config, model_co
         (logger.warning if asked else logger.info)(
             "compiled forward: %s has MoE layers, which run eager (data-dependent routing)", spec.architecture)
         level = 0
-    return replace(compilation, level=level)
+    return replace(compilation, level=level,
+                   cudagraph_mode=_cudagraph_mode(compilation.cudagraph_mode, eager, device, model_config, spec))
+
+
+def _cudagraph_mode(asked: str | None, eager: bool, device: str, model_config: ModelConfig, spec) -> str:
+    """vLLM's rule: CUDA graphs unless enforce_eager (here decode steps only, worker/decode_graphs.py);
+    none off CUDA, in batch-invariant mode (its kernels are not captured) or for MoE models
+    (data-dependent routing)."""
+    if asked == "NONE" or eager:
+        return "NONE"
+    if device != "cuda":
+        if asked is not None:
+            logger.info("compilation_config cudagraph_mode=%s: CUDA graphs are captured on CUDA only; off on %s",
+                        asked, device)
+        return "NONE"
+    why = ("batch-invariant mode" if model_config.batch_invariant
+           else f"{spec.architecture} has MoE layers" if spec.moe is not None else None)
+    if why:
+        (logger.warning if asked else logger.info)("CUDA graphs: off (%s)", why)
+        return "NONE"
+    return asked or "FULL_DECODE_ONLY"
 
 
 def engine_seed(seed: int | None) -> int:

@@ -44,7 +44,7 @@ is built alike; weights are inputs, only their values change).
 
 Not compiled, by design: batch-invariant mode (its kernels fix every reduction order and
 inductor would choose its own: eager keeps it bitwise exact), MoE layers (data-dependent
-routing), routing replay. CUDA graphs are not written: no GPU here to prove them on.
+routing), routing replay. CUDA graphs of decode steps are the worker's (worker/decode_graphs.py).
 """
 
 from __future__ import annotations
@@ -231,6 +231,8 @@ class CompiledLayers:
     def applies(self, attn) -> bool:
         """Whether this step runs compiled: enough tokens, and not a one-token step other than
         a decode (a lone one-token prompt, a DP wave's dummy step: rare, and a graph each)."""
+        if isinstance(attn, tuple):  # a DecodeStep itself (worker/decode_graphs.py's buffers)
+            return attn[0].shape[0] >= self.min_tokens
         if attn.num_tokens < self.min_tokens:
             return False
         return attn.num_tokens > 1 or attn.decode_step() is not None
@@ -244,7 +246,7 @@ class CompiledLayers:
         if residual is None:  # the first stage's first layer: one graph for all (x + 0 == x)
             residual, hidden = hidden, torch.zeros_like(hidden)
         cos, sin = rope
-        decode = attn.decode_step()
+        decode = attn if isinstance(attn, tuple) else attn.decode_step()
         decode = None if decode is None else tuple(decode)
         with forward_context(attn):
             if not self.ahead:

@@ -48,6 +48,7 @@ class ModelRunner:
         self.routing = None  # RoutingBuffer on the last stage with enable_return_routed_experts
         self._pending_routing: dict | None = None
         self.compile_seconds: float | None = None  # start-up compile time of the compiled forward
+        self.decode_graphs = None  # decode_graphs.DecodeGraphs on CUDA unless eager
 
     # -- start-up ---------------------------------------------------------------
     def load_model(self) -> None:
@@ -100,10 +101,14 @@ class ModelRunner:
         """Per layer K and V blocks, zeroed (unwritten slots are read under a mask: they must be
         finite). On CPU the zeros come from calloc, so untouched blocks cost no resident memory."""
         self.model.check_max_model_len(self.config.scheduler_config.max_model_len)
-        self.model.allocate_kv_cache(num_blocks, self.block_size, zeros=_zeros)
+        graphs = self._wants_decode_graphs()
+        # With CUDA graphs one block more than the scheduler hands out: the graphs' padding rows'.
+        self.model.allocate_kv_cache(num_blocks + graphs, self.block_size, zeros=_zeros)
         self.num_blocks = num_blocks
         if self.model.compiled_layers is not None and self.compile_seconds is None:
             self._compile()
+        if graphs:
+            self._capture_decode_graphs(spare_block=num_blocks)
         if self.config.model_config.enable_return_routed_experts and self.pp_group.is_last_rank:
             from spmd_engine.worker.routing_replay import RoutingBuffer
             spec = self.model.spec
@@ -111,7 +116,30 @@ class ModelRunner:
             self.routing = RoutingBuffer(num_blocks * self.block_size, moe_layers, spec.moe.top_k,
                                          spec.moe.num_experts, self.block_size)
 
+    def _wants_decode_graphs(self) -> bool:
+        """CUDA graphs for decode steps: on CUDA where the config asks (arg_utils' rule), one rank
+        alone in its TP and PP groups (a collective inside a graph is not proven here)."""
+        if self.device.type != "cuda" or self.config.compilation_config.cudagraph_mode in (None, "NONE"):
+            return False
+        if self.tp_group.world_size > 1 or self.pp_group.world_size > 1:
+            if self.decode_graphs is None:
+                logger.info("CUDA graphs: off with tensor or pipeline parallelism (not proven here)")
+            return False
+        return True
+
+    def _capture_decode_graphs(self, spare_block: int) -> None:
+        from spmd_engine.worker.decode_graphs import DecodeGraphs, default_sizes
+        sc, cc = self.config.scheduler_config, self.config.compilation_config
+        sizes = cc.cudagraph_capture_sizes or default_sizes(sc.max_num_seqs)
+        self.decode_graphs = DecodeGraphs(self.model, sizes, -(-sc.max_model_len // self.block_size), spare_block,
+                                          self.block_size, self.device)
+        if not getattr(self, "_weights_on_host", False):  # else the first decode step captures
+            with torch.inference_mode():
+                self.decode_graphs.capture_all()
+
     def release_kv_cache(self) -> None:
+        if self.decode_graphs is not None:
+            self.decode_graphs.release()  # they write into the cache being dropped
         self.model.bind_kv_cache(None)
         self.num_blocks = 0
         self.routing = None  # its rows belong to the KV blocks just dropped
@@ -160,14 +188,25 @@ class ModelRunner:
         intermediate = None
         if not self.pp_group.is_first_rank:
             intermediate = self.pp_group.recv_tensor_dict()
-        hidden = self.model.forward(input_ids if self.pp_group.is_first_rank else None,
-                                    positions, attn, intermediate)
+        step = attn.decode_step() if self.decode_graphs is not None else None
+        all_logits = None
+        if step is not None and self.decode_graphs.size_for(len(input_ids)) is not None:
+            hidden_states, all_logits = self.decode_graphs.run(input_ids, positions, step)
+            hidden = {"hidden_states": hidden_states}
+        else:
+            hidden = self.model.forward(input_ids if self.pp_group.is_first_rank else None,
+                                        positions, attn, intermediate)
         sampling = [s.request_id for s in out.seqs if s.sample]
         if not self.pp_group.is_last_rank:
             self.pp_group.send_tensor_dict(hidden)
             self._pending = (sampling, None, None)
             return None
-        logits = self.model.compute_logits(hidden["hidden_states"][sample_index]) if sampling else None
+        if not sampling:
+            logits = None
+        elif all_logits is not None:  # a copy: the graph's outputs are overwritten by the next replay
+            logits = all_logits[sample_index]
+        else:
+            logits = self.model.compute_logits(hidden["hidden_states"][sample_index])
         # The output index each sampled token will take, and the penalties' token history, both
         # from the schedule: a token dropped by the scheduler (preempted in flight) leaves no trace.
         for s in out.seqs:
@@ -315,8 +354,12 @@ class ModelRunner:
     def get_stats(self) -> dict:
         """Tokens this rank computed: all of them, those of prompts (prefix hits excluded), steps."""
         compiled = self.model.compiled_layers if self.model is not None else None
+        graphs = self.decode_graphs
         return dict(self.stats, num_blocks=self.num_blocks, block_size=self.block_size,
                     compile_seconds=self.compile_seconds,
+                    cuda_graph_sizes=list(graphs.sizes) if graphs is not None else [],
+                    cuda_graph_captures=graphs.captures if graphs is not None else 0,
+                    cuda_graph_steps=graphs.steps if graphs is not None else 0,
                     compiled_graphs=compiled.graphs() if compiled is not None else 0,
                     compiled_graphs_loaded=len(compiled.loaded) if compiled is not None else 0,
                     compiled_calls_refused=compiled.refused if compiled is not None else 0)

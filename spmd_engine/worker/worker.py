@@ -267,6 +267,13 @@ class Worker:
     def shutdown(self) -> None:
         from spmd_engine.distributed import destroy_distributed_environment
         self.model_runner = None
+        if self.device.type == "cuda":
+            # The weights, cache and graphs back to the device, not kept by torch's allocator: a
+            # next engine in this process (an RL trainer's, a benchmark's) sizes its KV cache
+            # from the device's free memory.
+            import gc
+            gc.collect()
+            torch.cuda.empty_cache()
         destroy_distributed_environment()  # the model-parallel groups first, then ours
         if getattr(self, "_owns_default_group", False):
             import torch.distributed as dist

@@ -69,3 +69,35 @@ def test_launch_line_names_cuda_device_of_local_rank():
     assert not launch.timed_out and launch.returncode == 0, launch.describe()
     lines = [line for line in launch.stderr.splitlines() if " launch: " in line]
     assert sorted(line.split("device=")[1].split()[0] for line in lines) == ["cuda:0", "cuda:1"], lines
+
+
+@pytest.mark.gpu
+@needs_1_gpu
+@pytest.mark.timeout(300)
+def test_cuda_graphs_decode_the_bundled_text_and_after_sleep_too():
+    """Decode steps replay CUDA graphs (sizes 1, 2, 4, 8: batches of 3 and 5 are padded) and write
+    the bundled model's text; after sleep and wake_up (the KV cache and the weights move) the
+    graphs are captured again and the text is unchanged; eager writes the same."""
+    from spmd_engine import LLM, SamplingParams
+    prompts = [line[:12] for line in continuation("").splitlines() if len(line) > 12][:5]
+    want = [continuation(p)[:40] for p in prompts]
+    sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+    def texts(llm, batch):
+        return [o.outputs[0].text for o in llm.generate(batch, sp, use_tqdm=False)]
+
+    with LLM(max_model_len=256, max_num_seqs=8, enforce_eager=True) as eager:
+        assert eager.get_stats()[0]["runner"]["cuda_graph_sizes"] == []
+        assert texts(eager, prompts) == want
+    # enforce_eager=False: the suite's default is eager (conftest.py), which turns graphs off too.
+    # A second engine in the process: the first one's memory went back to the device.
+    with LLM(max_model_len=256, max_num_seqs=8, enable_sleep_mode=True, enforce_eager=False) as llm:
+        stats = llm.get_stats()[0]["runner"]
+        assert stats["cuda_graph_sizes"] == [1, 2, 4, 8] and stats["cuda_graph_captures"] == 1, stats
+        for n in (1, 3, 5):
+            assert texts(llm, prompts[:n]) == want[:n]
+        assert llm.get_stats()[0]["runner"]["cuda_graph_steps"] == 3 * 39  # every decode step
+        llm.sleep(level=1)
+        llm.wake_up()
+        assert texts(llm, prompts[:3]) == want[:3]
+        assert llm.get_stats()[0]["runner"]["cuda_graph_captures"] == 1  # the new cache's graphs

@@ -208,7 +208,8 @@ class CausalLM(CausalLMWeights, nn.Module):
     # ---- compute ----
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, attn: AttentionMetadata | None,
                 intermediate: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        """Packed tokens [N] (ids and positions) with `attn`; [B, T] rows without a cache."""
+        """Packed tokens [N] (ids and positions) with `attn`; [B, T] rows without a cache. `attn` may
+        also be a DecodeStep itself (one new token per row, worker/decode_graphs.py)."""
         if self.is_first_stage:
             hidden, residual = self.model.embed_tokens(input_ids), None
         else:

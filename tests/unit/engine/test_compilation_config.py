@@ -25,11 +25,15 @@ def test_vllm_forms_parse(value, level):
 
 
 def test_ours_and_vllms_ignored_keys():
-    cc = CompilationConfig.parse({"level": 3, "min_tokens": 4, "cudagraph_capture_sizes": [1, 2],
-                                  "backend": "aot_eager", "cache_dir": "/tmp/x", "layers_per_graph": 3})
+    cc = CompilationConfig.parse({"level": 3, "min_tokens": 4, "cudagraph_capture_sizes": [8, 1, 2, 2],
+                                  "backend": "aot_eager", "cache_dir": "/tmp/x", "layers_per_graph": 3,
+                                  "cudagraph_num_of_warmups": 2, "cudagraph_mode": "full_decode_only"})
     assert (cc.min_tokens, cc.backend, cc.cache_dir, cc.layers_per_graph, cc.ignored) == (
-        4, "aot_eager", "/tmp/x", 3, ("cudagraph_capture_sizes",))
+        4, "aot_eager", "/tmp/x", 3, ("cudagraph_num_of_warmups",))
+    assert (cc.cudagraph_capture_sizes, cc.cudagraph_mode) == ((1, 2, 8), "FULL_DECODE_ONLY")
     assert (CompilationConfig().min_tokens, CompilationConfig().layers_per_graph) == (1, 8)
+    assert CompilationConfig.parse({"use_cudagraph": False}).cudagraph_mode == "NONE"  # vLLM's older switch
+    assert CompilationConfig.parse({"cudagraph_mode": "CUDAGraphMode.PIECEWISE"}).cudagraph_mode == "PIECEWISE"
 
 
 @pytest.mark.parametrize("layers, per_graph, lengths", [
@@ -47,7 +51,10 @@ def test_layers_are_cut_into_chunks_of_at_most_two_lengths(layers, per_graph, le
                                           ({"levle": 3}, "unknown key"), ({"level": 1, "mode": 3}, "gives"),
                                           ({"backend": "tvm"}, "backend"), ({"min_tokens": 0}, "min_tokens"),
                                           ({"layers_per_graph": 0}, "layers_per_graph"),
-                                          ([3], "a level")])
+                                          ([3], "a level"), ({"cudagraph_mode": "ALL"}, "cudagraph_mode"),
+                                          ({"cudagraph_capture_sizes": [0, 8]}, "positive integers"),
+                                          ({"cudagraph_capture_sizes": "8"}, "positive integers"),
+                                          ({"cudagraph_capture_sizes": []}, "positive integers")])
 def test_bad_values_are_config_errors(value, match):
     with pytest.raises(ConfigError, match=match):
         CompilationConfig.parse(value)
@@ -85,3 +92,25 @@ def test_cli_flags_reach_the_engine_args():
     assert ea.enforce_eager is True and CompilationConfig.parse(ea.compilation_config).min_tokens == 8
     ea = EngineArgs.from_cli_args(parser.parse_args(["--prompt", "x", "--compilation-config", "0"]))
     assert ea.enforce_eager is None and CompilationConfig.parse(ea.compilation_config).level == 0
+
+
+def test_cuda_graph_resolution_follows_vllm(monkeypatch, caplog):
+    """CUDA graphs (decode steps) on CUDA unless enforce_eager or cudagraph_mode NONE, whatever the
+    level; never on CPU (an explicit mode there says so in a log line); off in batch-invariant mode
+    and for MoE models."""
+    monkeypatch.setenv(envs.ENFORCE_EAGER, "0")
+
+    def mode(enforce_eager=None, cc=None, hf=DENSE, device="cuda", batch_invariant=False):
+        return resolve_compilation(enforce_eager, cc, ModelConfig(batch_invariant=batch_invariant),
+                                   ModelSpec.from_hf_config(hf), device, torch.bfloat16).cudagraph_mode
+
+    assert mode() == "FULL_DECODE_ONLY" and mode(cc=3) == "FULL_DECODE_ONLY"
+    assert mode(cc={"cudagraph_mode": "FULL_AND_PIECEWISE"}) == "FULL_AND_PIECEWISE"
+    assert mode(enforce_eager=True) == "NONE" and mode(cc={"cudagraph_mode": "NONE"}) == "NONE"
+    assert mode(cc={"use_cudagraph": False}) == "NONE"
+    with caplog.at_level(logging.INFO, logger="spmd_engine"):
+        assert mode(device="cpu") == "NONE" and mode(device="cpu", cc={"cudagraph_mode": "FULL"}) == "NONE"
+        assert mode(batch_invariant=True) == "NONE" and mode(hf=MOE) == "NONE"
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "captured on CUDA only" in said and "CUDA graphs: off (batch-invariant mode)" in said
+    assert "CUDA graphs: off (MixtralForCausalLM has MoE layers)" in said
