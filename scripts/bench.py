@@ -286,9 +286,13 @@ def fig_decode(args) -> None:
         time_engine(llm, prompts, 4)
         if compare:
             ref(prompts, 4)  # warm-up
-        ours, theirs, bws, matmuls = [], [], [], []
+        ours, theirs, bws, matmuls, decode_steps = [], [], [], [], []
         for _ in range(args.reps):
             ours.append(time_engine(llm, prompts, new))
+            # A decode step alone: the generation's time less one of the first token only (the
+            # prompts' prefill, generate's own start and end), over the steps left.
+            first_only = batch / time_engine(llm, prompts, 1)
+            decode_steps.append((batch * new / ours[-1] - first_only) / (new - 1))
             if compare:
                 theirs.append(ref(prompts, new))
             bws.append(read_bandwidth())
@@ -315,6 +319,13 @@ def fig_decode(args) -> None:
              "GB/s", batch=batch, matmuls_ms=round(t_mm * 1e3, 3), step_ms=round(batch / v * 1e3, 3),
              ratio_is="the step's weight matmuls alone (the model's packed weights, nothing else) over the "
                       "measured read bandwidth: the most a whole step could reach with these kernels")
+        step = statistics.median(decode_steps)
+        emit(f"decode_step_over_matmuls_{suffix}", step * 1e3, t_mm * 1e3, step / t_mm, "ms", batch=batch,
+             step_ms_with_prefill=round(batch / v * 1e3, 3), loadavg_1m=loadavg(),
+             value_is=f"a decode step: (generate of {new} tokens - generate of 1) / {new - 1}",
+             baseline_is="the step's weight matmuls alone (as decode_matmul_ceiling_fraction)",
+             ratio_is="value/baseline, lower is better"
+             + ("; target <= 1.3" if (dtype_name, batch) == ("bfloat16", 8) else ""))
 
 
 def fig_moe(args) -> None:

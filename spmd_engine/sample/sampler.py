@@ -42,6 +42,13 @@ class RequestState:
     output_token_ids: list[int] = field(default_factory=list)  # kept for the penalties and bad words
     num_sampled: int = 0  # draws so far (the output position when sample() is not told it)
     prompt_logprobs_done: int = 0  # prompt tokens whose logprobs went out (recompute skips them)
+    plain: bool = False  # greedy and nothing else (no processing, logprobs or mask): sample's short path
+
+    def __post_init__(self) -> None:
+        p = self.params
+        self.plain = (p.greedy and p.logprobs is None and not p.return_sampling_mask and p.allowed_token_ids is None
+                      and not p.bad_words and not p.logit_bias and not p.penalized
+                      and not (self.stop_ids and p.min_tokens > 0))
 
 
 @dataclass
@@ -86,6 +93,11 @@ class Sampler:
         schedule, and feeds the history through `observe`); without it, each call is the next
         position and the sampled tokens are the history (standalone use)."""
         states = [self.requests[r] for r in request_ids]
+        if all(s.plain for s in states):  # each row's argmax, nothing to process or report
+            token_list = greedy_tokens(logits.float()).tolist()
+            for state in states:
+                state.num_sampled += 1
+            return SamplerOutput(token_list)
         standalone = output_index is None
         if standalone:
             output_index = [s.num_sampled for s in states]

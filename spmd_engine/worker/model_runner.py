@@ -204,9 +204,10 @@ class ModelRunner:
         if not sampling:
             logits = None
         elif all_logits is not None:  # a copy: the graph's outputs are overwritten by the next replay
-            logits = all_logits[sample_index]
+            logits = all_logits.clone() if sample_index is None else all_logits[sample_index]
         else:
-            logits = self.model.compute_logits(hidden["hidden_states"][sample_index])
+            rows = hidden["hidden_states"]
+            logits = self.model.compute_logits(rows if sample_index is None else rows[sample_index])
         # The output index each sampled token will take, and the penalties' token history, both
         # from the schedule: a token dropped by the scheduler (preempted in flight) leaves no trace.
         for s in out.seqs:
@@ -326,13 +327,16 @@ class ModelRunner:
         attn = AttentionMetadata.build(context, lens, tables, self.block_size, self.device,
                                        invariant=self.batch_invariant)
         ids = attn.pack([s.token_ids for s in out.seqs])
-        # The last token of each sampling request, in schedule order, wherever packing put it.
+        # The last token of each sampling request, in schedule order, wherever packing put it;
+        # None when that is every row in order (a decode step): no gather.
         sample_index = [attn.row_start[i] + lens[i] - 1 for i, s in enumerate(out.seqs) if s.sample]
         self.stats["steps"] += 1
         self.stats["tokens"] += len(ids)
         self.stats["prefill_tokens"] += prefill
         self.stats["sampled"] += len(sample_index)
         input_ids = torch.tensor(ids, dtype=torch.long).to(self.device)
+        if sample_index == list(range(len(ids))):
+            return input_ids, attn.positions, attn, None
         return input_ids, attn.positions, attn, torch.tensor(sample_index, dtype=torch.long).to(self.device)
 
     @torch.inference_mode()

@@ -22,6 +22,8 @@ EXPECTED = {
     "decode_tokens_per_s_bfloat16", "decode_roofline_fraction_bfloat16", "decode_matmul_ceiling_fraction_bfloat16",
     "decode_roofline_fraction_bfloat16_b1", "decode_matmul_ceiling_fraction_bfloat16_b1",
     "decode_roofline_fraction_bfloat16_b32", "decode_matmul_ceiling_fraction_bfloat16_b32",
+    "decode_step_over_matmuls_float32", "decode_step_over_matmuls_bfloat16",
+    "decode_step_over_matmuls_bfloat16_b1", "decode_step_over_matmuls_bfloat16_b32",
     "kv_capacity_peak_running_requests", "prefix_cache_shared_prompts_tokens_per_s",
     "chunked_prefill_worst_decode_gap",
     "pp2_overlap_vs_uni_tokens_per_s", "pp2_overlap_ceiling_half_batches",

@@ -31,6 +31,34 @@ def test_greedy_is_argmax_and_logprobs_hold_top_k_plus_sampled():
     assert logprobs[0][token][1] == int((expected > expected[token]).sum()) + 1
 
 
+def test_plain_greedy_rows_take_the_short_path_with_the_general_paths_result():
+    """Greedy with nothing else (no logprobs, mask, processors, penalties, live min_tokens) goes
+    straight to the argmax: the same tokens and draw counts as the general path (forced by
+    marking the states not plain), ties and NaNs included; every other setting is not plain."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 300).bfloat16()
+    logits[1, 7] = logits[1, 200] = 9.0  # a tie: the earlier index
+    logits[2, 50] = float("nan")
+    short, general = Sampler(), Sampler()
+    for sampler in (short, general):
+        for i in range(6):
+            sampler.add_request(str(i), SamplingParams(temperature=0.0, min_tokens=3), seed=i)  # no stop ids
+    for state in general.requests.values():
+        state.plain = False
+    assert all(state.plain for state in short.requests.values())
+    ids = [str(i) for i in (3, 1, 0, 5, 2, 4)]
+    for _ in range(2):
+        assert short.sample(ids, logits).token_ids == general.sample(ids, logits).token_ids
+    assert [r.num_sampled for r in short.requests.values()] == [r.num_sampled for r in general.requests.values()]
+    out = short.sample(ids, logits)
+    assert out.token_ids[1] == 7 and out.token_ids[2] == 50 and out.logprobs is None  # rows, not ids
+    for other in (dict(temperature=1.0), dict(logprobs=0), dict(return_sampling_mask=True),
+                  dict(allowed_token_ids=[1]), dict(bad_words=["x"]), dict(logit_bias={1: 1.0}),
+                  dict(repetition_penalty=1.1), dict(presence_penalty=0.5)):
+        assert not RequestState(SamplingParams(**{"temperature": 0.0, **other}), 0).plain, other
+    assert not RequestState(SamplingParams(temperature=0.0, min_tokens=2), 0, stop_ids=[2]).plain
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_greedy_tokens_are_argmax_through_ties_nans_and_infinities(threads):
     """The greedy path takes max(dim)'s index on CPU (faster than argmax): the same first index
