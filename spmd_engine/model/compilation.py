@@ -31,7 +31,8 @@ tables dynamic along N and the number of blocks, sequence lengths), so inductor 
 reads into a few loops; the opaque op's Python, dispatch and SDPA's fixed work cost about 200 us
 a layer at decode sizes. One decode token (a single request's decode) has a graph of its own,
 since dynamo specialises a size of 1; a lone one-token step of another kind runs eager, as do
-steps of fewer than `min_tokens` tokens.
+steps of fewer than `min_tokens` tokens. On CPU only: on CUDA decode steps run their layers
+eager, replayed as CUDA graphs (CompiledLayers.decode_graphs says why).
 
 With inductor (and its caches on) each chunk length's graph is built ahead of time into an
 AOTInductor package on disk (precompiled.py, chunk_program.py): exported once, then loaded by
@@ -194,6 +195,12 @@ class CompiledLayers:
         self.backend, self.mode = backend, mode
         self.chunks = chunks(list(model.model.layers.values()), layers_per_graph)
         self.ahead = precompiled.applies(backend, model.device)
+        # Decode graphs trace attention, its in-place cache write included: on CPU the compiled
+        # graph writes the slots in place; through dynamo on CUDA the write became a copy of the
+        # whole cache every step (105 ms a step against eager's 7.5 on an H200, and out of memory
+        # at --gpu-memory-utilization 0.9). There decode steps run their layers eager (replayed
+        # as CUDA graphs, worker/decode_graphs.py) and the other steps go through the graph.
+        self.decode_graphs = model.device.type == "cpu"
         self.min_tokens = max(1, int(min_tokens))
         self.built: dict[tuple[int, bool, bool], object] = {}  # (chunk length, one token?, decode?) -> graph
         self.loaded: list[str] = []  # files the built graphs came from (the rest were compiled now)
@@ -232,21 +239,23 @@ class CompiledLayers:
         """Whether this step runs compiled: enough tokens, and not a one-token step other than
         a decode (a lone one-token prompt, a DP wave's dummy step: rare, and a graph each)."""
         if isinstance(attn, tuple):  # a DecodeStep itself (worker/decode_graphs.py's buffers)
-            return attn[0].shape[0] >= self.min_tokens
+            return self.decode_graphs and attn[0].shape[0] >= self.min_tokens
         if attn.num_tokens < self.min_tokens:
             return False
-        return attn.num_tokens > 1 or attn.decode_step() is not None
+        return attn.num_tokens > 1 or (self.decode_graphs and attn.decode_step() is not None)
 
     def warm_up_steps(self) -> list[tuple[int, bool]]:
         """(token count, decode?) of the start-up steps that build every graph later steps use."""
         n = max(2, self.min_tokens)
+        if not self.decode_graphs:
+            return [(n, False)]
         return ([(1, True)] if self.min_tokens == 1 else []) + [(n, True), (n, False)]
 
     def run(self, rope, hidden, residual, attn):
         if residual is None:  # the first stage's first layer: one graph for all (x + 0 == x)
             residual, hidden = hidden, torch.zeros_like(hidden)
         cos, sin = rope
-        decode = attn if isinstance(attn, tuple) else attn.decode_step()
+        decode = (attn if isinstance(attn, tuple) else attn.decode_step()) if self.decode_graphs else None
         decode = None if decode is None else tuple(decode)
         with forward_context(attn):
             if not self.ahead:

@@ -92,7 +92,18 @@ class ModelRunner:
         return self.model.update_weights(checkpoint_weights(self.model, model_dir))
 
     def kv_budget_bytes(self) -> int:
-        """This rank's KV budget from its device's memory (kv_sizing's rules)."""
+        """This rank's KV budget from its device's memory (kv_sizing's rules). On CUDA the
+        compiled forward is built first, on a scratch cache of two blocks: its tracing and
+        inductor's autotuning then have the memory the KV cache would take, and give it back
+        before the device is measured (vLLM profiles a compiled run before sizing its cache; at
+        --gpu-memory-utilization 0.9 autotuning after sizing ran out of memory on an H200)."""
+        if self.device.type == "cuda" and self.model.compiled_layers is not None and self.compile_seconds is None:
+            self.model.allocate_kv_cache(2, self.block_size)
+            try:
+                self._compile()
+            finally:
+                self.model.bind_kv_cache(None)
+                torch.cuda.empty_cache()
         memory = torch.cuda.mem_get_info(self.device) if self.device.type == "cuda" else None
         return kv_sizing.rank_budget(self.config, self.model.spec, self.tp_group.world_size,
                                      self.model.dtype.itemsize, memory)

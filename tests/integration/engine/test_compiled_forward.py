@@ -104,6 +104,37 @@ def test_one_token_steps_have_a_graph_of_their_own(tiny):
         assert (stats["compiled_graphs"], stats["compiled_calls_refused"]) == (3, 0), stats
 
 
+@pytest.mark.timeout(180)
+def test_without_decode_graphs_decode_steps_take_the_general_graph_as_on_cuda(tiny):
+    """CUDA's rule (CompiledLayers.decode_graphs off: through dynamo there the traced cache write
+    copied the whole cache every step): no graph traces attention; decode steps of 2 or more
+    tokens take the general graph (the opaque attention op), one-token decodes and DecodeSteps
+    themselves (the CUDA graphs' buffers) run their layers eager; the tokens equal eager's."""
+    from spmd_engine.model.layers.attention import AttentionMetadata
+    with LLM(model=str(tiny), enforce_eager=True) as llm:
+        want = greedy(llm, BATCHES)
+    with LLM(model=str(tiny), **COMPILED) as llm:
+        compiled = llm.llm_engine.model_executor.driver_worker.model_runner.model.compiled_layers
+        decode = AttentionMetadata.build([3, 5, 9], [1, 1, 1], [[0, 1, 2]] * 3, 16, "cpu")
+        one = AttentionMetadata.build([3], [1], [[0]], 16, "cpu")
+        compiled.min_tokens = 1  # for these checks only (a one-token step is below the test's 2)
+        assert compiled.applies(one) and compiled.applies(decode.decode_step())  # on CPU: traced
+        compiled.decode_graphs = False
+        assert compiled.warm_up_steps() == [(2, False)]
+        assert compiled.applies(decode) and not compiled.applies(one)
+        assert not compiled.applies(decode.decode_step())
+        compiled.min_tokens = 2
+        program, seen = compiled.programs[0], []
+        flat_inputs = program.flat_inputs
+        program.flat_inputs = lambda *a: seen.append(a[4]) or flat_inputs(*a)  # a[4]: the decode tensors
+        run, shapes = compiled.run, []
+        compiled.run = lambda *a: shapes.append((a[3].num_tokens, a[3].decode_step() is not None)) or run(*a)
+        assert greedy(llm, BATCHES) == want
+        assert seen and all(d is None for d in seen)  # every graph call a general one
+        assert all(n >= 2 for n, _ in shapes) and any(is_decode for _, is_decode in shapes), shapes
+        assert runner_stats(llm)["compiled_calls_refused"] == 0
+
+
 @pytest.mark.timeout(120)
 def test_enforce_eager_and_level_0_do_not_compile(tiny):
     from torch._dynamo.utils import counters
