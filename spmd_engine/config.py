@@ -286,7 +286,8 @@ class CacheConfig:
 # vLLM's CompilationConfig keys that mean nothing here (its own passes, CUDA-graph details): accepted,
 # named in one warning. Any other key is an error (a typo is never swallowed).
 VLLM_COMPILATION_KEYS_IGNORED = frozenset("""
-    full_cuda_graph cudagraph_num_of_warmups cudagraph_copy_inputs cudagraph_specialize_lora max_capture_size max_cudagraph_capture_size
+    full_cuda_graph cudagraph_num_of_warmups cudagraph_copy_inputs cudagraph_specialize_lora
+    max_capture_size max_cudagraph_capture_size
     splitting_ops use_inductor compile_sizes compile_ranges_split_points inductor_compile_config
     inductor_passes custom_ops pass_config debug_dump_path use_inductor_graph_partition
     compile_cache_save_format local_cache_dir dynamic_shapes_config
