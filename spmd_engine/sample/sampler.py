@@ -86,6 +86,19 @@ class Sampler:
         del state.output_token_ids[output_start + skip:]
         state.output_token_ids.extend(token_ids[skip:])
 
+    def all_plain(self, request_ids: list[str]) -> bool:
+        """Whether every one of these rows only wants its argmax (RequestState.plain): then the
+        LM head may give the tokens directly and `take_greedy` stands for `sample`."""
+        requests = self.requests
+        return all(requests[r].plain for r in request_ids)
+
+    def take_greedy(self, request_ids: list[str], tokens: torch.Tensor) -> SamplerOutput:
+        """The draw of plain rows whose argmax was taken elsewhere (the LM head's fused argmax):
+        counted as sample() counts it, so later positions and seeds line up either way."""
+        for r in request_ids:
+            self.requests[r].num_sampled += 1
+        return SamplerOutput(tokens.tolist())
+
     def sample(self, request_ids: list[str], logits: torch.Tensor, output_index: list[int] | None = None):
         """A SamplerOutput for logits [B, vocab] (the rows of request_ids, in order).
 
@@ -94,10 +107,7 @@ class Sampler:
         position and the sampled tokens are the history (standalone use)."""
         states = [self.requests[r] for r in request_ids]
         if all(s.plain for s in states):  # each row's argmax, nothing to process or report
-            token_list = greedy_tokens(logits.float()).tolist()
-            for state in states:
-                state.num_sampled += 1
-            return SamplerOutput(token_list)
+            return self.take_greedy(request_ids, greedy_tokens(logits.float()))
         standalone = output_index is None
         if standalone:
             output_index = [s.num_sampled for s in states]

@@ -43,7 +43,7 @@ class ModelRunner:
         self.block_tables: dict[str, list[int]] = {}
         self.prompt_lens: dict[str, int] = {}
         # (sampling request ids, (logits, output indices) on the last stage, prompt logprobs)
-        self._pending: tuple[list[str], tuple | None, dict | None] | None = None
+        self._pending: tuple[list[str], tuple | torch.Tensor | None, dict | None] | None = None  # (logits, positions) or tokens
         self.stats = {"steps": 0, "tokens": 0, "prefill_tokens": 0, "sampled": 0, "dummy_steps": 0}
         self.routing = None  # RoutingBuffer on the last stage with enable_return_routed_experts
         self._pending_routing: dict | None = None
@@ -212,20 +212,26 @@ class ModelRunner:
             self.pp_group.send_tensor_dict(hidden)
             self._pending = (sampling, None, None)
             return None
+        logits = tokens = None
         if not sampling:
-            logits = None
+            pass
         elif all_logits is not None:  # a copy: the graph's outputs are overwritten by the next replay
             logits = all_logits.clone() if sample_index is None else all_logits[sample_index]
         else:
             rows = hidden["hidden_states"]
-            logits = self.model.compute_logits(rows if sample_index is None else rows[sample_index])
+            rows = rows if sample_index is None else rows[sample_index]
+            if self.sampler.all_plain(sampling):  # argmax only: the LM head may skip the logits
+                tokens = self.model.greedy_tokens(rows)
+            else:
+                logits = self.model.compute_logits(rows)
         # The output index each sampled token will take, and the penalties' token history, both
         # from the schedule: a token dropped by the scheduler (preempted in flight) leaves no trace.
         for s in out.seqs:
             self.sampler.observe(s.request_id, s.context_len - self.prompt_lens[s.request_id], s.token_ids)
         outputs_at = [s.context_len + len(s.token_ids) - self.prompt_lens[s.request_id]
                       for s in out.seqs if s.sample]
-        self._pending = (sampling, (logits, outputs_at), self._prompt_logprobs(out, attn, hidden["hidden_states"]))
+        self._pending = (sampling, tokens if tokens is not None else (logits, outputs_at),
+                         self._prompt_logprobs(out, attn, hidden["hidden_states"]))
         if self.routing is not None:
             self._pending_routing = self.routing.record(out.seqs, attn.row_start, attn.slot_mapping,
                                                         hidden["routed_experts"], self.block_tables)
@@ -354,11 +360,16 @@ class ModelRunner:
     def sample_tokens(self) -> ModelRunnerOutput | None:
         if self._pending is None:
             return None
-        request_ids, logits, prompt_logprobs = self._pending
+        request_ids, head, prompt_logprobs = self._pending  # head: (logits, positions) or greedy tokens
         self._pending = None
         result = None
         if self.pp_group.is_last_rank:
-            sampled = self.sampler.sample(request_ids, *logits) if request_ids else SamplerOutput([])
+            if not request_ids:
+                sampled = SamplerOutput([])
+            elif isinstance(head, torch.Tensor):  # the tokens themselves (greedy_tokens)
+                sampled = self.sampler.take_greedy(request_ids, head)
+            else:
+                sampled = self.sampler.sample(request_ids, *head)
             result = ModelRunnerOutput(request_ids, sampled.token_ids, sampled.logprobs, prompt_logprobs,
                                        sampled.sampling_masks)
             result.routed_experts, self._pending_routing = self._pending_routing, None

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from spmd_engine.model.layers import batch_invariant as bi
-from spmd_engine.model.layers.packed_weights import linear
+from spmd_engine.model.layers import vnni_gemm
+from spmd_engine.model.layers.packed_weights import layout, linear
 from spmd_engine.model.shard import Loaded, check_shape, copy_into, read_range
 
 VOCAB_PADDING = 64
@@ -85,3 +86,12 @@ class ParallelLMHead(VocabParallelEmbedding):
         local = (bi.linear if self.batch_invariant else linear)(hidden, self.weight)
         full = self.group.all_gather(local, dim=-1)
         return full[..., : self.vocab_size].float()
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N] int64: each row's argmax of compute_logits(hidden), the same tokens. With one
+        rank's vocabulary in the bf16 GEMM's layout, the kernel scans the logits as it writes
+        them (vnni_gemm.linear_argmax): no float copy, no second pass."""
+        if self.group.world_size == 1 and not self.batch_invariant and layout(self.weight) == "vnni":
+            return vnni_gemm.linear_argmax(hidden, self.weight, self.vocab_size)
+        from spmd_engine.sample.sampler import greedy_tokens
+        return greedy_tokens(self.compute_logits(hidden))

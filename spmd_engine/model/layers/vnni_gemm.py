@@ -70,6 +70,15 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
     return out.view(*lead, out.shape[-1])
 
 
+def linear_argmax(x: torch.Tensor, packed: torch.Tensor, valid: int | None = None) -> torch.Tensor:
+    """[M] int64: each row's argmax over the first `valid` columns (all by default) of
+    `linear(x, packed)`, the bf16 values in torch.argmax's order (first NaN, else first maximum),
+    scanned by each thread over the columns it has just computed: greedy decoding's LM head
+    without the logits' float copy or a second pass over them."""
+    valid = dense_shape(packed)[0] if valid is None else valid
+    return torch.ops.spmd_vnni_gemm.linear_argmax(x.reshape(-1, x.shape[-1]).contiguous(), packed, valid)
+
+
 def wanted() -> bool:
     """Whether bf16 weights should go to this kernel: "auto" (default) where it loads and
     checks out, "onednn" never, "vnni" and "avx512" always (an error where it cannot). Also sets

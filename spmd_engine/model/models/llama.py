@@ -235,6 +235,13 @@ class CausalLM(CausalLMWeights, nn.Module):
             raise RuntimeError("compute_logits runs on the last pipeline stage only")
         return self.lm_head.compute_logits(hidden)
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N] int64: argmax of compute_logits(hidden) per row, without the logits where the LM
+        head can (ParallelLMHead.greedy_tokens)."""
+        if self.lm_head is None:
+            raise RuntimeError("greedy_tokens runs on the last pipeline stage only")
+        return self.lm_head.greedy_tokens(hidden)
+
     # ---- compiled forward (compilation.py) ----
     compiled_layers: "compilation.CompiledLayers | None" = None
 

@@ -232,19 +232,33 @@ def test_bf16_weights_packed_for_the_avx512_kernel_run_in_the_graph(tmp_path, mo
     """A bf16 model's weights in the hand-written kernel's layout (4-D, model/layers/vnni_gemm.py)
     pass through the export and the saved graph to the kernel, in packages of their own, and
     decode the tokens the oneDNN-packed graph decodes (bitwise equal matmuls at these sizes:
-    tests/unit/model/test_vnni_gemm.py). Skipped where the kernel is unavailable."""
+    tests/unit/model/test_vnni_gemm.py). Greedy steps there take their tokens from the LM head's
+    fused argmax; a step with a logprobs request takes the logits and the sampler, with the same
+    tokens. Skipped where the kernel is unavailable."""
     from spmd_engine.model.layers import vnni_gemm
     from spmd_engine.model.layers.packed_weights import layout
     if vnni_gemm.unavailable() is not None:
         pytest.skip(f"the kernel is unavailable here: {vnni_gemm.unavailable()}")
     bf16 = make_tiny_checkpoint(tmp_path / "bf16", vocab_size=320, dtype="bfloat16")  # 320: the head fits too
+    fused_calls = []
+    fused = vnni_gemm.linear_argmax
+    monkeypatch.setattr(vnni_gemm, "linear_argmax", lambda *a: fused_calls.append(1) or fused(*a))  # uni: this process
     got = {}
     for kernel in ("onednn", "vnni"):
         monkeypatch.setenv("SPMD_ENGINE_CPU_BF16_GEMM", kernel)
+        fused_calls.clear()
         with LLM(model=str(bf16), **COMPILED) as llm:
             layouts = llm.collective_rpc(lambda w: (str(w.model_runner.model.dtype), sorted(
                 {layout(m.weight) for m in w.model_runner.model.modules() if getattr(m, "packable_weight", False)})))
             assert layouts == [("torch.bfloat16", [kernel])], layouts
             got[kernel] = greedy(llm, BATCHES[1:3])
             assert runner_stats(llm)["compiled_graphs"] == 2
+            assert bool(fused_calls) == (kernel == "vnni"), len(fused_calls)
+            if kernel == "vnni":  # one request asks for logprobs: every step of that batch samples from logits
+                fused_calls.clear()
+                sps = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=None if i else 0)
+                       for i in range(len(BATCHES[2]))]
+                outs = llm.generate(BATCHES[2], sps, use_tqdm=False)
+                assert [o.outputs[0].token_ids for o in outs] == got[kernel][len(BATCHES[1]):]
+                assert outs[0].outputs[0].logprobs is not None and not fused_calls
     assert got["vnni"] == got["onednn"]

@@ -225,3 +225,52 @@ def test_the_kernel_is_used_wherever_the_cpu_has_the_instructions_and_g_plus_plu
     if not all(flags.intersection(names) for names in vnni_gemm.NEEDED_FLAGS) or shutil.which("g++") is None:
         pytest.skip("no AVX512-BF16 or no g++ here: the kernel is not expected")
     assert REASON is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k", [(16, 2), (48, 64), (512, 96), (1008, 512)])
+def test_the_fused_argmax_is_torch_argmax_of_the_kernels_logits(n, k, kernel_path):
+    """linear_argmax scans each thread's columns as they are written (16 lanes, the scalar order
+    on a NaN): ties go to the first column, a NaN beats everything and the first NaN wins, rows of
+    -inf give column 0, and padding columns past `valid` never compete."""
+    gen = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    w[n // 2:] = w[: n - n // 2]  # every column has a twin: ties everywhere
+    packed = vnni_gemm.pack(w)
+    for m in (0, 1, 7, 8, 17, 33):
+        x = torch.randn(m, k, generator=gen).bfloat16()
+        for valid in (n, max(1, n - 13), 1):
+            want = vnni_gemm.linear(x, packed)[:, :valid].float().argmax(-1)
+            assert torch.equal(vnni_gemm.linear_argmax(x, packed, valid), want), (m, valid)
+    special = w.clone()
+    special[n - 1] = float("nan")  # NaN in the last column for a row with x != 0
+    special[n // 3] = float("inf")
+    x = torch.randn(6, k, generator=gen).bfloat16()
+    x[2] = 0  # 0 * inf = NaN: the inf column turns NaN and comes first
+    packed = vnni_gemm.pack(special)
+    want = vnni_gemm.linear(x, packed).float().argmax(-1)
+    assert torch.equal(vnni_gemm.linear_argmax(x, packed), want)
+    negative = vnni_gemm.pack(torch.cat([-w[: n - 3].abs() - 1, torch.zeros(3, k).bfloat16()]))
+    x = torch.rand(4, k, generator=gen).bfloat16() + 0.5  # real logits all below 0, padding exactly 0
+    want = vnni_gemm.linear(x, negative)[:, : n - 3].float().argmax(-1)
+    assert torch.equal(vnni_gemm.linear_argmax(x, negative, n - 3), want)
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch,layout", [(LLAMA, "vnni"), (QWEN_TIED, "vnni"), (LLAMA, "onednn")],
+                         ids=["llama", "qwen_biased_tied", "llama_onednn"])
+def test_a_models_greedy_tokens_are_the_argmax_of_its_logits(tmp_path, arch, layout, monkeypatch):
+    """The LM head's fused argmax (the kernel's layout, a padded vocabulary, a tied head) and its
+    fallback (oneDNN's layout) give what argmax over compute_logits gives."""
+    from spmd_engine.sample.sampler import greedy_tokens
+    path = make_random_checkpoint(tmp_path / "m", **arch, dtype="bfloat16")
+    monkeypatch.setenv(envs.CPU_BF16_GEMM, layout)
+    model = load_model(path, SoloGroup(), SoloGroup(), dtype=torch.bfloat16)
+    packed_weights.pack_linear_weights(model, batch_hint=8)
+    head = model.lm_head
+    assert head.padded_vocab_size > head.vocab_size  # the padding rows must not compete
+    assert packed_weights.layout(head.weight) == layout
+    gen = torch.Generator().manual_seed(3)
+    for rows in (1, 8, 13):
+        hidden = torch.randn(rows, arch["hidden_size"], generator=gen).bfloat16() * 4
+        assert torch.equal(model.greedy_tokens(hidden), greedy_tokens(model.compute_logits(hidden)))

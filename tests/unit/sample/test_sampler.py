@@ -46,10 +46,17 @@ def test_plain_greedy_rows_take_the_short_path_with_the_general_paths_result():
     for state in general.requests.values():
         state.plain = False
     assert all(state.plain for state in short.requests.values())
+    taken = Sampler()  # the tokens from elsewhere (the LM head's fused argmax): take_greedy
+    for i in range(6):
+        taken.add_request(str(i), SamplingParams(temperature=0.0, min_tokens=3), seed=i)
     ids = [str(i) for i in (3, 1, 0, 5, 2, 4)]
+    assert taken.all_plain(ids) and not general.all_plain(ids)
     for _ in range(2):
-        assert short.sample(ids, logits).token_ids == general.sample(ids, logits).token_ids
-    assert [r.num_sampled for r in short.requests.values()] == [r.num_sampled for r in general.requests.values()]
+        tokens = general.sample(ids, logits).token_ids
+        assert short.sample(ids, logits).token_ids == tokens
+        assert taken.take_greedy(ids, greedy_tokens(logits.float())).token_ids == tokens
+    counts = [r.num_sampled for r in general.requests.values()]
+    assert [r.num_sampled for r in short.requests.values()] == counts == [r.num_sampled for r in taken.requests.values()]
     out = short.sample(ids, logits)
     assert out.token_ids[1] == 7 and out.token_ids[2] == 50 and out.logprobs is None  # rows, not ids
     for other in (dict(temperature=1.0), dict(logprobs=0), dict(return_sampling_mask=True),

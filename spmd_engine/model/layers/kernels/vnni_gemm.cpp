@@ -23,6 +23,10 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <cmath>
+#include <cstring>
+#include <vector>
+
 namespace {
 
 constexpr int kGroup = 4;  // blocks per task: 4 x 16 columns
@@ -218,7 +222,11 @@ bool use_amx(bool enable) {
 bool use_amx(bool) { return false; }  // built for a CPU without AMX: the AVX-512 path only
 #endif
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+// out = x W^T (+ bias) into `out` ([M, N] bf16); then, per parallel range of whole blocks,
+// after(first column, end column) while that range's outputs are still in this core's cache.
+template <class After>
+void compute(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+             at::Tensor& out, After after) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "vnni linear: contiguous 2-D bf16 x");
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 2 && packed.is_contiguous()
               && packed.scalar_type() == at::kBFloat16, "vnni linear: a weight from vnni_gemm.pack");
@@ -229,8 +237,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "vnni linear: bias of ", N, " values");
     bias32 = bias->to(at::kFloat).contiguous();
   }
-  at::Tensor out = at::empty({M, N}, x.options());
-  if (M == 0) return out;
+  out = at::empty({M, N}, x.options());
+  if (M == 0) return;
   const Out o{reinterpret_cast<uint16_t*>(out.data_ptr()), N, bias32.defined() ? bias32.data_ptr<float>() : nullptr};
   const uint16_t* xd = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const uint16_t* wd = reinterpret_cast<const uint16_t*>(packed.data_ptr());
@@ -239,9 +247,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
     // Pairs of blocks, so a thread never splits a pair: each thread streams its share of the
     // weight front to back.
     at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
-      amx::blocks(M, xd, K, wd, o, begin * 2, std::min(end * 2, blocks));
+      const int64_t b0 = begin * 2, b1 = std::min(end * 2, blocks);
+      amx::blocks(M, xd, K, wd, o, b0, b1);
+      after(b0 * 16, b1 * 16);
     });
-    return out;
+    return;
   }
 #endif
   const int64_t groups = (blocks + kGroup - 1) / kGroup;
@@ -256,14 +266,117 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
         default: rows<1>(M, xd, K, wb, o, b * 16); break;
       }
     }
+    after(begin * kGroup * 16, std::min(end * kGroup, blocks) * 16);
   });
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  at::Tensor out;
+  compute(x, packed, bias, out, [](int64_t, int64_t) {});
   return out;
+}
+
+// ---- greedy decoding: each row's argmax, fused so the logits are scanned while in cache ----
+// torch.argmax's order: the first NaN, else the first maximum (so -0.0 and 0.0 tie).
+
+struct Best {
+  float value;
+  int64_t index;
+};
+
+inline float widen(uint16_t bf16) {
+  uint32_t bits = static_cast<uint32_t>(bf16) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Whether `b` (from columns after `a`'s) takes the lead: a NaN is never overtaken.
+inline bool overtakes(const Best& b, const Best& a) {
+  return !std::isnan(a.value) && (std::isnan(b.value) || b.value > a.value);
+}
+
+Best scan_scalar(const uint16_t* p, int64_t c0, int64_t c1) {
+  Best best{widen(p[c0]), c0};
+  for (int64_t c = c0 + 1; c < c1; ++c) {
+    const Best here{widen(p[c]), c};
+    if (overtakes(here, best)) best = here;
+  }
+  return best;
+}
+
+// Columns [c0, c1) of one row: 16 lanes, each keeping its first maximum, then the largest lane
+// value at its smallest index. A NaN anywhere sends the row to the scalar scan (exact order).
+Best scan(const uint16_t* p, int64_t c0, int64_t c1) {
+  if (c1 - c0 < 32) return scan_scalar(p, c0, c1);
+  auto load = [&](int64_t c) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + c))), 16));
+  };
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 top = load(c0);
+  __m512i at = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(c0)));
+  __mmask16 nan = _mm512_cmp_ps_mask(top, top, _CMP_UNORD_Q);
+  int64_t c = c0 + 16;
+  for (; c + 16 <= c1; c += 16) {
+    const __m512 v = load(c);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    const __mmask16 gt = _mm512_cmp_ps_mask(v, top, _CMP_GT_OQ);
+    top = _mm512_mask_mov_ps(top, gt, v);
+    at = _mm512_mask_mov_epi32(at, gt, _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(c))));
+  }
+  if (nan) return scan_scalar(p, c0, c1);
+  const float value = _mm512_reduce_max_ps(top);
+  const __mmask16 ties = _mm512_cmp_ps_mask(top, _mm512_set1_ps(value), _CMP_EQ_OQ);
+  Best best{value, _mm512_mask_reduce_min_epi32(ties, at)};
+  for (; c < c1; ++c) {
+    const Best here{widen(p[c]), c};
+    if (std::isnan(here.value)) return scan_scalar(p, c0, c1);
+    if (overtakes(here, best)) best = here;
+  }
+  return best;
+}
+
+// [M] int64: argmax over the first `valid` columns of each row of x W^T as bf16 (what
+// argmax(linear(x, W)[:, :valid].float()) gives); the columns past them (a padded vocabulary's
+// zero rows) are computed but never compete.
+at::Tensor linear_argmax(const at::Tensor& x, const at::Tensor& packed, int64_t valid) {
+  TORCH_CHECK(packed.dim() == 4 && packed.size(0) > 0, "vnni linear_argmax: a weight from vnni_gemm.pack");
+  const int64_t M = x.dim() == 2 ? x.size(0) : 0, N = packed.size(0) * 16;
+  TORCH_CHECK(valid > 0 && valid <= N, "vnni linear_argmax: valid columns ", valid, " of ", N);
+  // One slot per range start (ranges start at whole blocks), filled by whichever thread ran it.
+  std::vector<Best> found(static_cast<size_t>(M * packed.size(0)));
+  std::vector<uint8_t> filled(static_cast<size_t>(packed.size(0)), 0);
+  at::Tensor out;
+  compute(x, packed, std::nullopt, out, [&](int64_t c0, int64_t c1) {
+    c1 = std::min(c1, valid);
+    if (c0 >= c1) return;
+    const uint16_t* d = reinterpret_cast<const uint16_t*>(out.data_ptr());
+    const int64_t slot = c0 / 16;
+    for (int64_t m = 0; m < M; ++m) found[m * packed.size(0) + slot] = scan(d + m * N, c0, c1);
+    filled[slot] = 1;
+  });
+  at::Tensor index = at::empty({M}, x.options().dtype(at::kLong));
+  int64_t* ix = index.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m) {
+    bool any = false;
+    Best best{0.f, 0};
+    for (int64_t slot = 0; slot < packed.size(0); ++slot) {
+      if (!filled[slot]) continue;
+      const Best& here = found[m * packed.size(0) + slot];
+      if (!any || overtakes(here, best)) best = here;
+      any = true;
+    }
+    ix[m] = best.index;
+  }
+  return index;
 }
 
 }  // namespace
 
 TORCH_LIBRARY(spmd_vnni_gemm, m) {
   m.def("linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");  // a CPU kernel (below), so it can have a shape function
+  m.def("linear_argmax(Tensor x, Tensor packed, int valid) -> Tensor");  // greedy decoding's LM head
   // Whether weights with K % 32 == 0 take the AMX path from now on: asks the OS for the tile
   // state once; false where the build has no AMX or the OS refuses.
   m.def("use_amx(bool enable) -> bool", use_amx);
@@ -271,4 +384,5 @@ TORCH_LIBRARY(spmd_vnni_gemm, m) {
 
 TORCH_LIBRARY_IMPL(spmd_vnni_gemm, CPU, m) {
   m.impl("linear", linear);
+  m.impl("linear_argmax", linear_argmax);
 }
