@@ -170,6 +170,34 @@ def test_an_eager_engine_never_imports_dynamo(tiny):
     assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout
 
 
+_DYNAMO_CHILD = r"""
+import json, sys
+from spmd_engine import LLM, SamplingParams
+prompts = json.loads(sys.argv[2])
+sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+with LLM(model=sys.argv[1], enforce_eager=False, compilation_config={"level": 3, "backend": "aot_eager"}) as llm:
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    print(json.dumps([got, llm.get_stats()[0]["runner"]["compiled_graphs"]]))
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_backend_through_dynamo_starts_in_a_fresh_process_and_equals_eager(tiny):
+    """A backend other than inductor's packages traces the layers with dynamo at start-up. In a
+    fresh process the decode attention kernel has not been tried yet when its graph is traced:
+    trying it inside the trace was a graph break that failed start-up (fixed by making its
+    availability a constant to dynamo)."""
+    import json
+    with LLM(model=str(tiny), enforce_eager=True) as llm:
+        want = greedy(llm, BATCHES[1:3])
+    batches = [p for batch in BATCHES[1:3] for p in batch]
+    proc = subprocess.run([sys.executable, "-c", _DYNAMO_CHILD, str(tiny), json.dumps(batches)], capture_output=True,
+                          text=True, timeout=150, env=dict(os.environ, SPMD_ENGINE_ENFORCE_EAGER="0"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got, graphs = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == want and graphs >= 2, (got, graphs)
+
+
 @pytest.mark.timeout(120)
 def test_batch_invariant_runs_eager_and_says_so(tiny, caplog):
     with caplog.at_level(logging.INFO, logger="spmd_engine"):
