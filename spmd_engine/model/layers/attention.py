@@ -252,6 +252,7 @@ class Attention(nn.Module):
         self.scale = scale
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.uses_decode_kernel = False  # decode_attention's kernel for traced decode steps (set_kv_cache)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype, device) -> None:
         shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
@@ -260,6 +261,9 @@ class Attention(nn.Module):
     def set_kv_cache(self, k_cache: torch.Tensor | None, v_cache: torch.Tensor | None) -> None:
         """[num_blocks, block_size, num_kv_heads, head_dim] each, or None to drop the cache."""
         self.k_cache, self.v_cache = k_cache, v_cache
+        # Asked here, outside any trace: through dynamo (a backend other than inductor's
+        # packages) the first ask, which builds and tries the kernel, broke the graph.
+        self.uses_decode_kernel = k_cache is not None and decode_kernel.usable(k_cache.device)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttentionMetadata | None):
         if attn is None:
@@ -270,7 +274,7 @@ class Attention(nn.Module):
         if self.k_cache is None:
             raise RuntimeError("KV cache not allocated: the model runner allocates it before the first step")
         if isinstance(attn, tuple):  # a DecodeStep's tensors, traced into the compiled graph
-            if decode_kernel.usable(q.device):
+            if self.uses_decode_kernel:
                 return decode_kernel.decode(q, k, v, self.k_cache, self.v_cache, attn, self.scale)
             return decode_attention(q, k, v, self.k_cache, self.v_cache, attn, self.scale)
         if attn is compilation.COMPILED:  # traced: the metadata comes through forward_context

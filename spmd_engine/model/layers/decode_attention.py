@@ -26,12 +26,11 @@ from spmd_engine.model.layers import native
 SOURCE = Path(__file__).resolve().parent / "kernels" / "decode_attention.cpp"
 
 
-@torch.compiler.assume_constant_result
 def usable(device) -> bool:
     """Whether decode-shaped steps on `device` go to the kernel (the choice is made once per
-    process, and is part of a compiled graph's package name). A constant to dynamo: traced, the
-    first call would build and try the kernel inside the trace (a graph break: a backend other
-    than inductor's packages failed to start)."""
+    process, and is part of a compiled graph's package name). Never call it in traced code: the
+    first call builds and tries the kernel, a graph break for dynamo (Attention asks when its
+    cache is bound)."""
     if torch.device(device).type != "cpu":
         return False
     choice = envs.cpu_decode_attention()
