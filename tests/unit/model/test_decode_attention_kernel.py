@@ -54,6 +54,28 @@ def test_the_kernel_equals_sdpa_and_writes_the_slots(D, heads, kv, dtype):
 
 @needs_kernel
 @pytest.mark.parametrize("D", [64, 24])
+def test_q_k_v_read_in_place_from_the_steps_qkv_rows_give_the_same_bits(D):
+    """Inside a compiled layer q, k and v are slices of one [N, (H + 2 KV) * D] row per token: the
+    kernel reads them there (no copy); other layouts (heads not one after another, int32
+    metadata) are copied first. Every way gives the contiguous call's bits and slots."""
+    gen = torch.Generator().manual_seed(5)
+    bs, blocks, lens, H, KV = 16, 64, [5, 70, 33, 1, 48], 8, 2
+    caches = [torch.randn(blocks, bs, KV, D, generator=gen).bfloat16() for _ in range(2)]
+    step = _step(lens, bs, blocks, gen)
+    qkv = torch.randn(len(lens), (H + 2 * KV) * D, generator=gen).bfloat16()
+    q, k, v = (part.view(len(lens), -1, D) for part in qkv.split([H * D, KV * D, KV * D], dim=-1))
+    assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
+    want_caches = [c.clone() for c in caches]
+    want = kernel.decode(q.contiguous(), k.contiguous(), v.contiguous(), *want_caches, step, 0.125)
+    for args in ((q, k, v), (q.transpose(0, 1).contiguous().transpose(0, 1), k, v)):
+        got_caches = [c.clone() for c in caches]
+        got = kernel.decode(*args, *got_caches, tuple(t.int() for t in step), 0.125)
+        assert torch.equal(got, want)
+        assert all(torch.equal(a, b) for a, b in zip(got_caches, want_caches))
+
+
+@needs_kernel
+@pytest.mark.parametrize("D", [64, 24])
 def test_a_tokens_bits_do_not_depend_on_the_batch(D):
     gen = torch.Generator().manual_seed(3)
     bs, blocks, lens = 16, 64, [5, 70, 33, 1, 48]

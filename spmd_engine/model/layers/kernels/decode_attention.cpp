@@ -176,9 +176,11 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+// q: token n's heads start at q + n * q_stride, one after another (head stride D).
 template <typename T>
-void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables, const int64_t* seq_lens,
-            T* out, int64_t N, int64_t H, int64_t KV, int64_t D, int64_t BS, int64_t nb, float scale) {
+void attend(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int64_t* tables,
+            const int64_t* seq_lens, T* out, int64_t N, int64_t H, int64_t KV, int64_t D, int64_t BS, int64_t nb,
+            float scale) {
   const int64_t G = H / KV;
   int64_t longest = 0;
   for (int64_t n = 0; n < N; ++n) longest = std::max(longest, seq_lens[n]);
@@ -190,7 +192,7 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* table
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n = item / KV, g = item % KV, L = std::min(seq_lens[n], nb * BS);
       const int64_t* table = tables + n * nb;
-      const T* qn = q + (n * H + g * G) * D;  // the G query heads sharing KV head g
+      const T* qn = q + n * q_stride + g * G * D;  // the G query heads sharing KV head g
       T* on = out + (n * H + g * G) * D;
 #ifdef __AVX512F__
       if constexpr (!std::is_same_v<T, double>) {
@@ -240,6 +242,18 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* table
   });
 }
 
+// x [N, heads, D] in `dtype` with each token's heads one after another (any stride between
+// tokens), as it is when it can be; otherwise a contiguous copy in `dtype`.
+at::Tensor rows_of_heads(const at::Tensor& x, at::ScalarType dtype) {
+  if (x.scalar_type() == dtype && x.dim() == 3 && x.stride(2) == 1 && (x.size(1) == 1 || x.stride(1) == x.size(2)))
+    return x;
+  return x.to(dtype).contiguous();
+}
+
+at::Tensor as_long(const at::Tensor& x) {
+  return x.scalar_type() == at::kLong && x.is_contiguous() ? x : x.to(at::kLong).contiguous();
+}
+
 // q [N, H, D], k and v [N, KV, D] (this step's new tokens), caches [blocks, BS, KV, D] (written at
 // `slots`, [N]), block_tables [N, nb], seq_lens [N] (keys each token sees, its own included).
 // Returns [N, H * D]. The caches are written in place: the schema says nothing of it, as for
@@ -250,10 +264,13 @@ at::Tensor decode(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tens
   TORCH_CHECK(q_in.dim() == 3 && k_in.dim() == 3 && v_in.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
               "decode attention: q, k, v [N, heads, D] and caches [blocks, block_size, kv_heads, D]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "decode attention: contiguous caches");
-  const at::Tensor q = q_in.contiguous(), k = k_in.to(k_cache.scalar_type()).contiguous(),
-                   v = v_in.to(v_cache.scalar_type()).contiguous();
-  const at::Tensor slots = slots_in.to(at::kLong).contiguous(), tables = tables_in.to(at::kLong).contiguous(),
-                   lens = lens_in.to(at::kLong).contiguous();
+  // Inside a compiled layer q, k and v are slices of the step's qkv rows: read them where they
+  // are. Each conversion or copy here is a dispatcher call, and in a decode step every one runs
+  // cold (the weights have just gone through the caches): a v copy and five no-op conversions
+  // cost 5-10 us a layer.
+  const at::Tensor q = rows_of_heads(q_in, q_in.scalar_type()), k = rows_of_heads(k_in, k_cache.scalar_type()),
+                   v = rows_of_heads(v_in, v_cache.scalar_type());
+  const at::Tensor slots = as_long(slots_in), tables = as_long(tables_in), lens = as_long(lens_in);
   const int64_t N = q.size(0), H = q.size(1), D = q.size(2), KV = k_cache.size(2), BS = k_cache.size(1);
   const int64_t blocks = k_cache.size(0), nb = tables.size(1);
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "decode attention: q and the cache differ in dtype");
@@ -277,11 +294,11 @@ at::Tensor decode(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tens
     auto* kc = k_cache.data_ptr<scalar_t>();
     auto* vc = v_cache.data_ptr<scalar_t>();
     for (int64_t n = 0; n < N; ++n) {
-      std::memcpy(kc + sl[n] * row, k.data_ptr<scalar_t>() + n * row, row * sizeof(scalar_t));
-      std::memcpy(vc + sl[n] * row, v.data_ptr<scalar_t>() + n * row, row * sizeof(scalar_t));
+      std::memcpy(kc + sl[n] * row, k.data_ptr<scalar_t>() + n * k.stride(0), row * sizeof(scalar_t));
+      std::memcpy(vc + sl[n] * row, v.data_ptr<scalar_t>() + n * v.stride(0), row * sizeof(scalar_t));
     }
-    attend<scalar_t>(q.data_ptr<scalar_t>(), kc, vc, tb, ln, out.data_ptr<scalar_t>(), N, H, KV, D, BS, nb,
-                     static_cast<float>(scale));
+    attend<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), kc, vc, tb, ln, out.data_ptr<scalar_t>(), N, H, KV, D,
+                     BS, nb, static_cast<float>(scale));
   });
   return out;
 }
