@@ -42,8 +42,9 @@ class ModelRunner:
         self.num_blocks = 0
         self.block_tables: dict[str, list[int]] = {}
         self.prompt_lens: dict[str, int] = {}
-        # (sampling request ids, (logits, output indices) on the last stage, prompt logprobs)
-        self._pending: tuple[list[str], tuple | torch.Tensor | None, dict | None] | None = None  # (logits, positions) or tokens
+        # (sampling request ids, on the last stage (logits, output indices) or the greedy tokens
+        # themselves, prompt logprobs)
+        self._pending: tuple[list[str], tuple | torch.Tensor | None, dict | None] | None = None
         self.stats = {"steps": 0, "tokens": 0, "prefill_tokens": 0, "sampled": 0, "dummy_steps": 0}
         self.routing = None  # RoutingBuffer on the last stage with enable_return_routed_experts
         self._pending_routing: dict | None = None
@@ -213,11 +214,9 @@ class ModelRunner:
             self._pending = (sampling, None, None)
             return None
         logits = tokens = None
-        if not sampling:
-            pass
-        elif all_logits is not None:  # a copy: the graph's outputs are overwritten by the next replay
+        if sampling and all_logits is not None:  # a copy: the graph's outputs are overwritten by the next replay
             logits = all_logits.clone() if sample_index is None else all_logits[sample_index]
-        else:
+        elif sampling:
             rows = hidden["hidden_states"]
             rows = rows if sample_index is None else rows[sample_index]
             if self.sampler.all_plain(sampling):  # argmax only: the LM head may skip the logits
@@ -360,7 +359,7 @@ class ModelRunner:
     def sample_tokens(self) -> ModelRunnerOutput | None:
         if self._pending is None:
             return None
-        request_ids, head, prompt_logprobs = self._pending  # head: (logits, positions) or greedy tokens
+        request_ids, head, prompt_logprobs = self._pending  # head: (logits, output indices) or greedy tokens
         self._pending = None
         result = None
         if self.pp_group.is_last_rank:
