@@ -98,6 +98,44 @@ inline float softmax_numerators(float* s, int64_t L) {
   return _mm512_reduce_add_ps(total);
 }
 
+// The GB heads' 16-lane partial dot products with key j (the full dot is their lane sum).
+template <typename T, int DV, int GB>
+inline void partial_dots(const __m512 (&r)[GB][DV], const T* k_cache, const int64_t* table, int64_t j, int64_t KV,
+                         int64_t g, int64_t BS, __m512 (&acc)[GB]) {
+  constexpr int64_t D = DV * 16;
+  const T* key = k_cache + cache_row(table, j, BS, KV, g, D);
+  __m512 kr[DV];
+#pragma GCC unroll 8
+  for (int v = 0; v < DV; ++v) kr[v] = load16(key + v * 16);
+#pragma GCC unroll 8
+  for (int h = 0; h < GB; ++h) {
+    acc[h] = _mm512_mul_ps(r[h][0], kr[0]);
+#pragma GCC unroll 8
+    for (int v = 1; v < DV; ++v) acc[h] = _mm512_fmadd_ps(r[h][v], kr[v], acc[h]);
+  }
+}
+
+// Sixteen keys' lane sums in one register, by the tree _mm512_reduce_add_ps uses for one (lane
+// l + l+8, then + l+4, + l+2, + l+1), so each score has the same bits as summed alone: four
+// rounds, each folding two registers into one (shuffles pair the halves being added), 15
+// additions for 16 scores instead of 4 apiece. Round one folds keys slot 2p and 2p+1 (`half`);
+// the last round leaves slot 4m + i in lane 4i + m, so slot s holds key slot_key(s).
+constexpr int slot_key(int s) { return 4 * (s % 4) + s / 4; }
+inline __m512 fold_halves(__m512 a, __m512 b) {  // lanes l + l+8: a's 8 sums, then b's
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+}
+inline __m512 sixteen_sums(const __m512* half) {
+  __m512 quarter[4];  // + l+4: four keys a register, one a 128-bit quarter
+  for (int r = 0; r < 4; ++r)
+    quarter[r] = _mm512_add_ps(_mm512_shuffle_f32x4(half[2 * r], half[2 * r + 1], 0x88),
+                               _mm512_shuffle_f32x4(half[2 * r], half[2 * r + 1], 0xDD));
+  __m512 pairs[2];  // + l+2, within each quarter
+  for (int r = 0; r < 2; ++r)
+    pairs[r] = _mm512_add_ps(_mm512_shuffle_ps(quarter[2 * r], quarter[2 * r + 1], 0x44),
+                             _mm512_shuffle_ps(quarter[2 * r], quarter[2 * r + 1], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_ps(pairs[0], pairs[1], 0x88), _mm512_shuffle_ps(pairs[0], pairs[1], 0xDD));
+}
+
 template <typename T, int DV, int GB>
 inline void heads(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t L, int64_t KV,
                   int64_t g, int64_t BS, float scale, float* scores, int64_t stride, T* out) {
@@ -107,18 +145,25 @@ inline void heads(const T* q, const T* k_cache, const T* v_cache, const int64_t*
   for (int h = 0; h < GB; ++h)
 #pragma GCC unroll 8
     for (int v = 0; v < DV; ++v) r[h][v] = load16(q + h * D + v * 16);
-  for (int64_t j = 0; j < L; ++j) {
-    const T* key = k_cache + cache_row(table, j, BS, KV, g, D);
-    __m512 kr[DV];
+  int64_t j = 0;
+  for (; j + 16 <= L; j += 16) {  // sixteen keys at a time, their first round kept in L1
+    __m512 half[GB][8];
+    for (int p = 0; p < 8; ++p) {
+      __m512 a[GB], b[GB];
+      partial_dots<T, DV, GB>(r, k_cache, table, j + slot_key(2 * p), KV, g, BS, a);
+      partial_dots<T, DV, GB>(r, k_cache, table, j + slot_key(2 * p + 1), KV, g, BS, b);
 #pragma GCC unroll 8
-    for (int v = 0; v < DV; ++v) kr[v] = load16(key + v * 16);
-#pragma GCC unroll 8
-    for (int h = 0; h < GB; ++h) {
-      __m512 acc = _mm512_mul_ps(r[h][0], kr[0]);
-#pragma GCC unroll 8
-      for (int v = 1; v < DV; ++v) acc = _mm512_fmadd_ps(r[h][v], kr[v], acc);
-      scores[h * stride + j] = _mm512_reduce_add_ps(acc) * scale;
+      for (int h = 0; h < GB; ++h) half[h][p] = fold_halves(a[h], b[h]);
     }
+#pragma GCC unroll 8
+    for (int h = 0; h < GB; ++h)
+      _mm512_storeu_ps(scores + h * stride + j, _mm512_mul_ps(sixteen_sums(half[h]), _mm512_set1_ps(scale)));
+  }
+  for (; j < L; ++j) {
+    __m512 acc[GB];
+    partial_dots<T, DV, GB>(r, k_cache, table, j, KV, g, BS, acc);
+#pragma GCC unroll 8
+    for (int h = 0; h < GB; ++h) scores[h * stride + j] = _mm512_reduce_add_ps(acc[h]) * scale;
   }
   float inv[GB];
   for (int h = 0; h < GB; ++h) inv[h] = 1.0f / softmax_numerators(scores + h * stride, L);
