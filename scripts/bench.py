@@ -55,9 +55,11 @@ Figures
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing as mp
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -87,8 +89,34 @@ QWEN3_MOE_SHAPE = dict(architecture="Qwen3MoeForCausalLM", hidden_size=512, num_
 
 def emit(name, value, baseline, ratio, unit, **params) -> None:
     r = lambda x: round(x, 4) if isinstance(x, float) else x  # noqa: E731
+    params.setdefault("cpu", cpu_model())
     print(json.dumps({"name": name, "value": r(value), "baseline": r(baseline), "ratio": r(ratio),
                       "unit": unit, "params": params}), flush=True)
+
+
+# The CPU's instruction sets that decide which kernels run and which dtype is native here.
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_model() -> str:
+    """`lscpu`'s model name and the flags of CPU_FLAGS it has, e.g. "Intel(R) Xeon(R) Processor
+    [avx2 avx512f avx512_bf16 amx_bf16 amx_tile]": figures from one kind of 2-core machine say
+    nothing of another (bf16 was 3x slower than fp32 where it is emulated), so every figure
+    carries it."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    return f"{model} [{' '.join(flag for flag in CPU_FLAGS if flag in flags)}]"
 
 
 def loadavg() -> float:
@@ -139,7 +167,7 @@ def fig_allreduce(args) -> None:
         if line["name"].endswith("_us"):
             params["ratio_is"] = ("baseline/value (gloo time / shm time), target >= 20"
                                   + ("; >= 35 in fp32 (issue 23)" if "float32" in line["name"] else ""))
-        print(json.dumps({**line, "unit": unit, "params": params}), flush=True)
+        print(json.dumps({**line, "unit": unit, "params": {**params, "cpu": cpu_model()}}), flush=True)
 
 
 # ---------------------------------------------------------------- decode

@@ -3,9 +3,10 @@ engine requests and steps, collective_rpc, mp PP stages) in --quick mode, one re
 
 Nothing here is a timing check (timing belongs in the benchmark itself): the test asserts
 that every figure is emitted once, as the JSON line docs/performance.md's tables are built
-from, with positive finite numbers. A figure that rots with the engine's internals fails
-here, not in the next session's benchmark run (the chunked-prefill figure once did, unseen).
-scripts/bench_vnni_gemm.py, the decode GEMM kernel's benchmark, is run small for its output check."""
+from, with positive finite numbers and the CPU model it was measured on. A figure that rots
+with the engine's internals fails here, not in the next session's benchmark run (the
+chunked-prefill figure once did, unseen). scripts/bench_vnni_gemm.py, the decode GEMM
+kernel's benchmark, is run small for its output check."""
 
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ def check_figures(figures: list[dict]) -> None:
     for f in figures:
         for key in ("value", "baseline", "ratio"):
             assert isinstance(f[key], (int, float)) and math.isfinite(f[key]) and f[key] > 0, f
+        assert f["params"]["cpu"].strip(), f  # lscpu's model beside every figure
 
 
 @pytest.mark.timeout(600)
@@ -54,12 +56,15 @@ def test_bench_quick_run_emits_every_figure(tmp_path):
 
 def test_the_figure_check_rejects_a_missing_or_broken_figure():
     """Negative controls for check_figures: one figure missing, one with a NaN ratio."""
-    good = [{"name": n, "value": 1.0, "baseline": 2.0, "ratio": 0.5} for n in sorted(EXPECTED)]
+    good = [{"name": n, "value": 1.0, "baseline": 2.0, "ratio": 0.5, "params": {"cpu": "Some CPU [avx2]"}}
+            for n in sorted(EXPECTED)]
     check_figures(good)
     with pytest.raises(AssertionError):
         check_figures(good[1:])
     with pytest.raises(AssertionError):
         check_figures(good[:-1] + [dict(good[-1], ratio=float("nan"))])
+    with pytest.raises(KeyError):  # no CPU model: a figure that says nothing of its machine
+        check_figures(good[:-1] + [dict(good[-1], params={})])
 
 
 @pytest.mark.timeout(300)
