@@ -98,15 +98,21 @@ inline float softmax_numerators(float* s, int64_t L) {
   return _mm512_reduce_add_ps(total);
 }
 
+// Key or value j of KV head g, as float32, in DV registers.
+template <typename T, int DV>
+inline void load_row(const T* cache, const int64_t* table, int64_t j, int64_t KV, int64_t g, int64_t BS,
+                     __m512 (&x)[DV]) {
+  const T* row = cache + cache_row(table, j, BS, KV, g, DV * 16);
+#pragma GCC unroll 8
+  for (int v = 0; v < DV; ++v) x[v] = load16(row + v * 16);
+}
+
 // The GB heads' 16-lane partial dot products with key j (the full dot is their lane sum).
 template <typename T, int DV, int GB>
 inline void partial_dots(const __m512 (&r)[GB][DV], const T* k_cache, const int64_t* table, int64_t j, int64_t KV,
                          int64_t g, int64_t BS, __m512 (&acc)[GB]) {
-  constexpr int64_t D = DV * 16;
-  const T* key = k_cache + cache_row(table, j, BS, KV, g, D);
   __m512 kr[DV];
-#pragma GCC unroll 8
-  for (int v = 0; v < DV; ++v) kr[v] = load16(key + v * 16);
+  load_row<T, DV>(k_cache, table, j, KV, g, BS, kr);
 #pragma GCC unroll 8
   for (int h = 0; h < GB; ++h) {
     acc[h] = _mm512_mul_ps(r[h][0], kr[0]);
@@ -172,10 +178,8 @@ inline void heads(const T* q, const T* k_cache, const T* v_cache, const int64_t*
 #pragma GCC unroll 8
     for (int v = 0; v < DV; ++v) r[h][v] = _mm512_setzero_ps();
   for (int64_t j = 0; j < L; ++j) {
-    const T* value = v_cache + cache_row(table, j, BS, KV, g, D);
     __m512 vr[DV];
-#pragma GCC unroll 8
-    for (int v = 0; v < DV; ++v) vr[v] = load16(value + v * 16);
+    load_row<T, DV>(v_cache, table, j, KV, g, BS, vr);
 #pragma GCC unroll 8
     for (int h = 0; h < GB; ++h) {
       const __m512 p = _mm512_set1_ps(scores[h * stride + j]);
