@@ -6,7 +6,8 @@ it), and the KV caches, written in place every step, would be frozen copies. So 
 module owns nothing: its inputs are the chunk's weights, in a fixed order, then each layer's
 (K, V) caches, then the step's tensors; `forward` puts them in place for the trace
 (torch.func.functional_call for the weights, the attention modules' cache attributes for the
-caches) and takes them out again afterwards.
+caches) and takes them out again afterwards. On the last pipeline stage the model's final norm
+comes last among the weights, and the chunk returns the normed sum as well (compilation.py).
 """
 
 from __future__ import annotations
@@ -22,18 +23,25 @@ def _attention(layer) -> nn.Module:
 
 class ChunkProgram(nn.Module):
     """`forward(weights, caches, cos, sin, hidden, residual, decode)` runs the chunk's layers as
-    compilation's `_chunk_step` does. `flat_inputs` gives the live tensors in export's order."""
+    compilation's `_chunk_step` does (with `norm`, the final RMSNorm, applied to the result as
+    well). `flat_inputs` gives the live tensors in export's order."""
 
-    def __init__(self, chunk: tuple):
+    def __init__(self, chunk: tuple, norm: nn.Module | None = None):
         super().__init__()
         object.__setattr__(self, "chunk", tuple(chunk))  # not submodules: their weights are inputs
+        object.__setattr__(self, "norm", norm)
         self.names = [[name for name, _ in layer.named_parameters()] for layer in chunk]
         self._owners = [_owner(layer, name) for layer, names in zip(chunk, self.names) for name in names]
+        if norm is not None:
+            self._owners.append((norm._parameters, "weight"))
         self._attention = [_attention(layer) for layer in chunk]
         self.leading = len(self._owners) + 2 * len(chunk)  # weights and caches
 
     def weights(self) -> list[torch.Tensor]:
-        return [getattr(module, attr) for module, attr in self._owners]
+        # Read from each module's parameter dict, not through nn.Module.__getattr__ (a few us a
+        # step for a chunk's ~60 weights): a name registered as a parameter stays one, since
+        # nn.Module refuses to rebind it to anything but a Parameter.
+        return [params[name] for params, name in self._owners]
 
     def caches(self) -> list[torch.Tensor]:
         return [c for a in self._attention for c in (a.k_cache, a.v_cache)]
@@ -59,12 +67,16 @@ class ChunkProgram(nn.Module):
         finally:
             for a, (k, v) in zip(self._attention, bound):
                 a.k_cache, a.v_cache = k, v
-        return hidden, residual
+        if self.norm is None:
+            return hidden, residual
+        normed, _ = torch.func.functional_call(self.norm, {"weight": weights[-1]}, (hidden, residual))
+        return hidden, residual, normed
 
 
-def _owner(layer: nn.Module, name: str) -> tuple[nn.Module, str]:
+def _owner(layer: nn.Module, name: str) -> tuple[dict, str]:
+    """The parameter dict that holds `name` (dotted, under `layer`), and its key there."""
     *path, attr = name.split(".")
     module = layer
     for part in path:
         module = getattr(module, part)
-    return module, attr
+    return module._parameters, attr

@@ -18,7 +18,8 @@ of the same shape in their place. The KV caches are inputs too, written in place
 A package carries no guards on the code it came from, so a file's name is a digest of everything
 that decides the graph: torch's and Python's versions, the CPU's instruction set and the thread
 count (baked into the kernels' OpenMP loops), the source of spmd_engine/model, the model's shape
-facts, dtype, device, TP size and group numbers, which weights are packed, the chunk's length,
+facts, dtype, device, TP size and group numbers, which weights are packed, whether the stage
+ends in the final norm (the last pipeline stage's graphs return it too), the chunk's length,
 the graph's kind (one token or more, decode or general), backend and mode. Any change is another
 file. What the package needs of its inputs (dtype, rank, fixed sizes, contiguity, the token
 count: >= 2, or exactly 1 for the one-token graph) is written into its metadata and checked
@@ -108,7 +109,8 @@ def digest(model, chunk_length: int, backend: str, mode: str | None, single: boo
     groups = tuple(getattr(m, "compile_group", None) for m in model.modules() if isinstance(m, RowParallelLinear))
     facts = ("aoti", torch.__version__, sys.version, platform.machine(), torch.backends.cpu.get_cpu_capability(),
              torch.get_num_threads(), _source_digest(), repr(model.spec), str(model.dtype), model.device.type,
-             model.tp_group.world_size, groups, packed, chunk_length, backend, mode, single, decode, kernel)
+             model.tp_group.world_size, groups, packed, chunk_length, backend, mode, single, decode, kernel,
+             model.model.norm is not None)  # the last stage's graphs end in the final norm
     return hashlib.sha256(repr(facts).encode()).hexdigest()[:32]
 
 

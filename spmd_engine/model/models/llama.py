@@ -217,17 +217,18 @@ class CausalLM(CausalLMWeights, nn.Module):
                 raise ValueError("a later pipeline stage needs `intermediate` from the previous stage")
             hidden, residual = intermediate["hidden_states"], intermediate["residual"]
         rope = self.model.rotary_emb.cos_sin(positions, hidden.dtype)
-        compiled = self.compiled_layers
+        compiled, normed = self.compiled_layers, None
         if compiled is not None and attn is not None and compiled.applies(attn):
-            hidden, residual = compiled.run(rope, hidden, residual, attn)
+            hidden, residual, normed = compiled.run(rope, hidden, residual, attn)  # normed: the graph's final norm
         else:
             for layer in self.model.layers.values():
                 hidden, residual = layer(rope, hidden, residual, attn)
         out = {} if not self.routing_recorded else {"routed_experts": self._routed_experts(intermediate, hidden)}
         if not self.is_last_stage:
             return {"hidden_states": hidden, "residual": residual, **out}
-        hidden, _ = self.model.norm(hidden, residual)
-        return {"hidden_states": hidden, **out}
+        if normed is None:
+            normed, _ = self.model.norm(hidden, residual)
+        return {"hidden_states": normed, **out}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] final hidden states -> [N, vocab_size] float32, identical on every TP rank."""

@@ -90,6 +90,37 @@ def test_chunks_of_layers_share_one_graph_and_equal_eager(tiny):
 
 
 @pytest.mark.timeout(180)
+def test_the_final_norm_runs_in_the_last_chunks_graph(tiny):
+    """On the last stage each chunk's graph also returns the final RMSNorm of its result: a
+    compiled step never calls the eager norm (nine ops, ~0.1 ms a decode step on CPU), the
+    last chunk's norm is the model's output (two chunks here), its values are the eager norm's
+    of the graph's own hidden and residual, and the tokens equal eager's."""
+    import torch
+
+    from spmd_engine.model.layers.attention import AttentionMetadata
+    with LLM(model=str(tiny), enforce_eager=True) as llm:
+        want = greedy(llm, BATCHES[1:3])
+    config = {**COMPILED["compilation_config"], "layers_per_graph": 3}
+    with LLM(model=str(tiny), enforce_eager=False, compilation_config=config) as llm:
+        model = llm.llm_engine.model_executor.driver_worker.model_runner.model
+        norm, calls = model.model.norm, []
+        eager_norm = norm.forward
+        norm.forward = lambda *a: calls.append(a[0].shape[0]) or eager_norm(*a)
+        assert greedy(llm, BATCHES[1:3]) == want  # 3 and 8 requests: no step below min_tokens
+        assert calls == [] and runner_stats(llm)["compiled_calls_refused"] == 0
+        with torch.inference_mode():
+            attn = AttentionMetadata.build([0], [3], [[0]], 16, "cpu")
+            attn.slot_mapping = None  # writes nothing into the cache
+            h = model.model.embed_tokens(torch.tensor([5, 6, 7]))
+            hidden, residual, normed = model.compiled_layers.run(
+                model.model.rotary_emb.cos_sin(attn.positions, h.dtype), h, None, attn)
+            torch.testing.assert_close(normed, eager_norm(hidden, residual)[0])
+        assert calls == []
+        model.forward(torch.tensor([5]), torch.tensor([0]), AttentionMetadata.build([0], [1], [[0]], 16, "cpu"))
+        assert calls == [1]  # one token, below min_tokens: eager layers, eager norm
+
+
+@pytest.mark.timeout(180)
 def test_one_token_steps_have_a_graph_of_their_own(tiny):
     """The default min_tokens (1): a single request's decode steps (one token each) run through
     a graph of their own, built at start-up with the general and the decode graph; nothing

@@ -150,6 +150,7 @@ def test_inputs_the_package_refuses_run_eager(tiny, tmp_path_factory, monkeypatc
     rope = model.model.rotary_emb.cos_sin(attn.positions, h.dtype)
     got = compiled.run(rope, h, None, attn)
     assert compiled.refused == 1 and compiled.graphs() == 1
+    assert got[2] is None  # the chunk ran eager: the caller norms eager
     model.compiled_layers = None
     hidden, residual = dense, None
     for layer in model.model.layers.values():
@@ -167,4 +168,7 @@ def test_the_file_name_changes_with_what_decides_the_graph(tiny):
               precompiled.digest(fp32, 4, "inductor", None, decode=True)}
     other_shape = _model(make_tiny_checkpoint(tiny.parent / "wider", hidden_size=128))
     others.add(precompiled.digest(other_shape, 4, "inductor", None))
-    assert key not in others and len(others) == 6
+    no_final_norm = _model(tiny)  # a pipeline stage before the last: its graphs end without the norm
+    no_final_norm.model.norm = None
+    others.add(precompiled.digest(no_final_norm, 4, "inductor", None))
+    assert key not in others and len(others) == 7
