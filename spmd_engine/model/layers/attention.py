@@ -24,7 +24,7 @@ and a decode token, all meet one recipe.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -47,8 +47,22 @@ class RowGroup:
     width: int  # T
     pad_index: torch.Tensor | None  # [end - start] slot of each token in [G * T]; None: rows are full width
     block_tables: torch.Tensor | None = None  # [G, nb] (cached groups): the blocks to read
-    mask: torch.Tensor | None = None  # [G, 1, T, nb * block_size]: query t may see key j
+    # How to make `mask` when first read: a decode step that the compiled graph (or the kernel)
+    # runs never reads it, and its three small tensor ops cost tens of us cold.
+    make_mask: Callable[[], torch.Tensor] | None = field(default=None, repr=False, compare=False)
+    _mask: torch.Tensor | None = field(default=None, repr=False, compare=False)
     _folded: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def mask(self) -> torch.Tensor | None:
+        """[G, 1, T, nb * block_size] (cached groups): query t may see key j; None for fresh ones."""
+        if self._mask is None and self.make_mask is not None:
+            self._mask = self.make_mask()
+        return self._mask
+
+    @mask.setter
+    def mask(self, value: torch.Tensor | None) -> None:
+        self._mask = value
 
     def folded_mask(self, group: int) -> torch.Tensor:
         """The mask for `group` query heads per KV head folded into the query axis,
@@ -171,12 +185,14 @@ class AttentionMetadata:
         slots = [rows[b][c // block_size] * block_size + c % block_size for b, c in enumerate(context_lens)]
         per_token = torch.tensor([slots, list(context_lens), [c + 1 for c in context_lens]], dtype=torch.long)
         table = torch.tensor(rows, dtype=torch.long)
-        keys = torch.arange(nb * block_size)
-        mask = (keys.view(1, -1) <= per_token[1].view(-1, 1)).view(B, 1, 1, -1)
         if torch.device(device).type != "cpu":
-            per_token, table, mask = per_token.to(device), table.to(device), mask.to(device)
+            per_token, table = per_token.to(device), table.to(device)
         slots_t, positions, seq_lens = per_token.unbind(0)
-        group = RowGroup(0, B, B, 1, None, block_tables=table[:, :nb], mask=mask)
+
+        def make_mask():  # each token sees the keys up to its own position
+            keys = torch.arange(nb * block_size, device=positions.device)
+            return (keys.view(1, -1) <= positions.view(-1, 1)).view(B, 1, 1, -1)
+        group = RowGroup(0, B, B, 1, None, block_tables=table[:, :nb], make_mask=make_mask)
         meta = cls(slot_mapping=slots_t, groups=[group], num_tokens=B, positions=positions,
                    row_order=list(range(B)), row_start=list(range(B)), query_lens=[1] * B)
         meta._decode.append(DecodeStep(slots_t, table, seq_lens))

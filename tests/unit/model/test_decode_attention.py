@@ -78,6 +78,7 @@ def test_decode_shaped_metadata_is_the_general_builds():
         assert torch.equal(fast.slot_mapping, slow.slot_mapping) and torch.equal(fast.positions, slow.positions)
         (f,), (s,) = fast.groups, slow.groups
         assert (f.start, f.end, f.num_rows, f.width, f.pad_index) == (s.start, s.end, s.num_rows, s.width, None)
+        assert f._mask is None  # made when first read: the compiled graph and the kernel never read it
         assert torch.equal(f.block_tables, s.block_tables) and torch.equal(f.mask, s.mask)
         step, tables_2 = fast.decode_step(), s.block_tables
         if tables_2.shape[1] < 2:
