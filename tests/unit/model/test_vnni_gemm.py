@@ -227,12 +227,23 @@ def test_the_kernel_is_used_wherever_the_cpu_has_the_instructions_and_g_plus_plu
     assert REASON is None
 
 
+@pytest.fixture(params=[1, 2], ids=["1_thread", "2_threads"])
+def threads(request):
+    """The suite runs one OpenMP thread; with two, each thread's columns are a range of their
+    own, and the ranges' results must join in column order."""
+    was = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(was)
+
+
 @needs_kernel
 @pytest.mark.parametrize("n,k", [(16, 2), (48, 64), (512, 96), (1008, 512)])
-def test_the_fused_argmax_is_torch_argmax_of_the_kernels_logits(n, k, kernel_path):
+def test_the_fused_argmax_is_torch_argmax_of_the_kernels_logits(n, k, kernel_path, threads):
     """linear_argmax scans each thread's columns as they are written (16 lanes, the scalar order
-    on a NaN): ties go to the first column, a NaN beats everything and the first NaN wins, rows of
-    -inf give column 0, and padding columns past `valid` never compete."""
+    on a NaN): ties go to the first column (twins in the other thread's half included), a NaN
+    beats everything and the first NaN wins, rows of -inf give column 0, and padding columns past
+    `valid` never compete."""
     gen = torch.Generator().manual_seed(n * k)
     w = torch.randn(n, k, generator=gen).bfloat16()
     w[n // 2:] = w[: n - n // 2]  # every column has a twin: ties everywhere

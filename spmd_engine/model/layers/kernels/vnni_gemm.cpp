@@ -25,6 +25,8 @@
 
 #include <cmath>
 #include <cstring>
+#include <algorithm>
+#include <mutex>
 #include <vector>
 
 namespace {
@@ -344,29 +346,28 @@ at::Tensor linear_argmax(const at::Tensor& x, const at::Tensor& packed, int64_t 
   TORCH_CHECK(packed.dim() == 4 && packed.size(0) > 0, "vnni linear_argmax: a weight from vnni_gemm.pack");
   const int64_t M = x.dim() == 2 ? x.size(0) : 0, N = packed.size(0) * 16;
   TORCH_CHECK(valid > 0 && valid <= N, "vnni linear_argmax: valid columns ", valid, " of ", N);
-  // One slot per range start (ranges start at whole blocks), filled by whichever thread ran it.
-  std::vector<Best> found(static_cast<size_t>(M * packed.size(0)));
-  std::vector<uint8_t> filled(static_cast<size_t>(packed.size(0)), 0);
+  // Each parallel range's best per row, with the range's first column: a few ranges (one a
+  // thread), joined in column order below. (One slot per block, as before, was a 256 KB vector
+  // zeroed and walked every call at B=8 over a 32k vocabulary: 30-60 us of an 0.8 ms head.)
+  std::mutex lock;
+  std::vector<std::pair<int64_t, std::vector<Best>>> ranges;
   at::Tensor out;
   compute(x, packed, std::nullopt, out, [&](int64_t c0, int64_t c1) {
     c1 = std::min(c1, valid);
     if (c0 >= c1) return;
     const uint16_t* d = reinterpret_cast<const uint16_t*>(out.data_ptr());
-    const int64_t slot = c0 / 16;
-    for (int64_t m = 0; m < M; ++m) found[m * packed.size(0) + slot] = scan(d + m * N, c0, c1);
-    filled[slot] = 1;
+    std::vector<Best> rows(static_cast<size_t>(M));
+    for (int64_t m = 0; m < M; ++m) rows[m] = scan(d + m * N, c0, c1);
+    std::lock_guard<std::mutex> hold(lock);
+    ranges.emplace_back(c0, std::move(rows));
   });
+  std::sort(ranges.begin(), ranges.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
   at::Tensor index = at::empty({M}, x.options().dtype(at::kLong));
   int64_t* ix = index.data_ptr<int64_t>();
   for (int64_t m = 0; m < M; ++m) {
-    bool any = false;
-    Best best{0.f, 0};
-    for (int64_t slot = 0; slot < packed.size(0); ++slot) {
-      if (!filled[slot]) continue;
-      const Best& here = found[m * packed.size(0) + slot];
-      if (!any || overtakes(here, best)) best = here;
-      any = true;
-    }
+    Best best = ranges.front().second[m];  // valid > 0: some range holds column 0
+    for (size_t r = 1; r < ranges.size(); ++r)
+      if (overtakes(ranges[r].second[m], best)) best = ranges[r].second[m];
     ix[m] = best.index;
   }
   return index;
