@@ -20,6 +20,9 @@ class KVCacheManager:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
         self.tables: dict[str, list[int]] = {}
+        # How many of each request's first blocks were offered to the prefix cache: each full
+        # block once (as vLLM's num_cached_block), not every block of the table every step.
+        self._offered: dict[str, int] = {}
 
     @property
     def enable_caching(self) -> bool:
@@ -75,17 +78,23 @@ class KVCacheManager:
         self.tables[request.request_id] = table
         # Blocks full once this step's tokens are computed become findable now: a request
         # scheduled later in the same step may share them (each layer writes this step's
-        # K/V before any row reads the cache).
+        # K/V before any row reads the cache). A block offered once is not offered again while
+        # the request holds it (held, it cannot be evicted; one whose content another block
+        # already had stays unregistered, as in vLLM).
         if self.enable_caching:
             full = min(total, request.num_tokens) // self.block_size
-            hashes = self._hashes(request, full)
-            for i in range(full):
-                self.pool.cache_block(table[i], hashes[i])
+            offered = self._offered.get(request.request_id, 0)
+            if full > offered:
+                hashes = self._hashes(request, full)
+                for i in range(offered, full):
+                    self.pool.cache_block(table[i], hashes[i])
+                self._offered[request.request_id] = full
         return added
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its last blocks are evicted first."""
         table = self.tables.pop(request.request_id, [])
+        self._offered.pop(request.request_id, None)
         self.pool.free_blocks(reversed(table))
 
     def reset_prefix_cache(self) -> bool:

@@ -80,6 +80,30 @@ def test_allocation_grows_with_tokens_and_free_returns_everything():
     assert kv.num_free_blocks == 8 and kv.blocks_of("0") == []
 
 
+def test_each_full_block_is_offered_to_the_prefix_cache_once_while_held():
+    """A decode step offers the cache only the blocks it fills (vLLM's num_cached_block), not
+    every block of the table again: a long generation's steps stay O(1) in its length. A request
+    freed and allocated again (preempted, recomputed) offers its blocks afresh."""
+    kv = KVCacheManager(64, 4)
+    offered = []
+    cache_block = kv.pool.cache_block
+    kv.pool.cache_block = lambda block, h: offered.append(block) or cache_block(block, h)
+    r = make(0, prompt_len=6)
+    kv.allocate_slots(r, 6)
+    r.num_computed_tokens = 6
+    for token in range(40):  # one decode token a step
+        r.output_token_ids.append(7)
+        kv.allocate_slots(r, 1)
+        r.num_computed_tokens += 1
+    table = kv.blocks_of("0")
+    assert offered == table[:(6 + 40) // 4]  # each full block once, in order
+    assert all(kv.pool.lookup(h) == b for b, h in zip(table, r.block_hashes))
+    kv.free(r)
+    r.num_computed_tokens, offered[:] = 0, []
+    kv.allocate_slots(r, r.num_tokens)
+    assert offered == kv.blocks_of("0")[:r.num_tokens // 4]
+
+
 def test_allocation_that_does_not_fit_changes_nothing():
     kv = KVCacheManager(3, 4)
     r = make(0, prompt_len=20)
