@@ -20,6 +20,7 @@ DP_WAVES = "SPMD_ENGINE_DP_WAVES"
 WORKER_MULTIPROC_METHOD = "SPMD_ENGINE_WORKER_MULTIPROC_METHOD"
 CPU_PACKED_WEIGHTS = "SPMD_ENGINE_CPU_PACKED_WEIGHTS"
 CPU_BF16_GEMM = "SPMD_ENGINE_CPU_BF16_GEMM"
+CPU_FP32_GEMM = "SPMD_ENGINE_CPU_FP32_GEMM"
 CPU_DECODE_ATTENTION = "SPMD_ENGINE_CPU_DECODE_ATTENTION"
 DISABLE_SHM_ALLREDUCE = "SPMD_ENGINE_DISABLE_SHM_ALLREDUCE"
 DISABLE_SHM_HANDOFF = "SPMD_ENGINE_DISABLE_SHM_HANDOFF"
@@ -77,6 +78,16 @@ def cpu_bf16_gemm(environ: Mapping[str, str] = os.environ) -> str:
     raw = environ.get(CPU_BF16_GEMM, "auto") or "auto"
     if raw not in ("auto", "onednn", "vnni", "avx512"):
         raise ConfigError(f"{CPU_BF16_GEMM}={raw!r}: expected 'auto', 'onednn', 'vnni' or 'avx512'")
+    return raw
+
+
+def cpu_fp32_gemm(environ: Mapping[str, str] = os.environ) -> str:
+    """Which kernel packed fp32 linear weights are for on CPU: "auto" (default: the fp32 path of
+    model/layers/vnni_gemm.py's kernel where it builds and checks out, else oneDNN), "onednn", or
+    "vnni" (that kernel, or an error saying why not)."""
+    raw = environ.get(CPU_FP32_GEMM, "auto") or "auto"
+    if raw not in ("auto", "onednn", "vnni"):
+        raise ConfigError(f"{CPU_FP32_GEMM}={raw!r}: expected 'auto', 'onednn' or 'vnni'")
     return raw
 
 

@@ -89,7 +89,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N] int64: each row's argmax of compute_logits(hidden), the same tokens. With one
-        rank's vocabulary in the bf16 GEMM's layout, the kernel scans the logits as it writes
+        rank's vocabulary in the hand-written GEMM's layout (bf16 or fp32), the kernel scans the logits as it writes
         them (vnni_gemm.linear_argmax): no float copy, no second pass."""
         if self.group.world_size == 1 and not self.batch_invariant and layout(self.weight) == "vnni":
             return vnni_gemm.linear_argmax(hidden, self.weight, self.vocab_size)

@@ -13,7 +13,7 @@ tests/unit/model/test_packed_weights.py checks both.
 A packed weight replaces the layer's `weight` Parameter (an mkldnn-layout
 tensor of the same logical shape and dtype, so the dense copy is freed and
 `weight.to_dense()` gives it back); `linear` picks the matmul by layout, so a
-layer works the same packed or not. bf16 weights on CPUs with AVX512-BF16 go to a
+layer works the same packed or not. bf16 and fp32 weights on CPUs with AVX512-BF16 go to a
 hand-written kernel instead (vnni_gemm.py: faster at decode sizes), packed into a
 plain 4-D tensor; `layout`, `dense_weight` and `dense_shape` answer for either kind.
 """
@@ -139,11 +139,12 @@ def pack_linear_weights(model: nn.Module, batch_hint: int, batch_invariant: bool
 
 
 def _layout_for(weight: torch.Tensor, batch_invariant: bool) -> str:
-    """The hand-written kernel for bf16 weights it fits, outside batch-invariant mode (whose
-    tiles and bits are oneDNN's, docs/batch-invariant.md); oneDNN for the rest."""
-    if batch_invariant or weight.dtype != torch.bfloat16 or not vnni_gemm.fits(*weight.shape):
+    """The hand-written kernel for bf16 and fp32 weights it fits, outside batch-invariant mode
+    (whose tiles and bits are oneDNN's, docs/batch-invariant.md); oneDNN for the rest."""
+    dtype = weight.dtype
+    if batch_invariant or dtype not in (torch.bfloat16, torch.float32) or not vnni_gemm.fits(*weight.shape, dtype):
         return "onednn"
-    return "vnni" if vnni_gemm.wanted() else "onednn"
+    return "vnni" if vnni_gemm.wanted(dtype) else "onednn"
 
 
 def repack(module: nn.Module, dense: torch.Tensor) -> None:

@@ -1,4 +1,4 @@
-"""The bf16 decode GEMM of kernels/vnni_gemm.cpp: built once per machine, loaded, checked.
+"""The decode GEMM of kernels/vnni_gemm.cpp, bf16 and fp32: built once per machine, loaded, checked.
 
 On CPUs with AVX512-BF16, oneDNN's packed bf16 call costs 30-40 us before it reads a byte and
 its one-row call is as slow as its eight-row one; the hand-written kernel streams a weight
@@ -16,9 +16,14 @@ AVX-512 one and used where the build targets AMX and the OS grants the tile stat
 oneDNN's time at 8 rows; `SPMD_ENGINE_CPU_BF16_GEMM=avx512` keeps the AVX-512 path). Which path
 a weight takes depends on its K and the process, never on the batch.
 
-A packed weight is a plain bf16 tensor of shape [N / 16, K / 2, 16, 2]: the four dimensions
-tell `packed_weights.linear` which kernel it is for, and no code that expects an [N, K]
-weight can read it by mistake.
+fp32 weights go to the same kernel's fp32 path (plain AVX-512 FMAs: any CPU the kernel builds
+on) packed as [N / 16, K, 16, 1]: oneDNN's fp32 call streamed a decode step's small matrices at
+60-65% of one core's read bandwidth; the kernel took 0.75x its time at 8 and 16 rows on one
+thread (docs/performance.md). `SPMD_ENGINE_CPU_FP32_GEMM` chooses as the bf16 variable does.
+
+A packed weight is a plain tensor of shape [N / 16, K / 2, 16, 2] (bf16) or [N / 16, K, 16, 1]
+(fp32): the four dimensions tell `packed_weights.linear` which kernel it is for, and no code
+that expects an [N, K] weight can read it by mistake.
 """
 
 from __future__ import annotations
@@ -42,25 +47,31 @@ NEEDED_FLAGS = (("avx512_f", "avx512f"), ("avx512_bw", "avx512bw"), ("avx512_vl"
                 ("avx512_bf16", "avx512_bf16"))
 
 
-def fits(out_features: int, in_features: int) -> bool:
-    """The kernel's shapes: whole blocks of 16 output columns, pairs of input columns."""
-    return out_features > 0 and out_features % 16 == 0 and in_features > 0 and in_features % 2 == 0
+def _per_line(dtype: torch.dtype) -> int:
+    """Values of k in one 64-byte line of 16 columns: a bf16 pair, or one fp32."""
+    return 1 if dtype == torch.float32 else 2
+
+
+def fits(out_features: int, in_features: int, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """The kernel's shapes: whole blocks of 16 output columns; for bf16, pairs of input columns."""
+    return out_features > 0 and out_features % 16 == 0 and in_features > 0 and in_features % _per_line(dtype) == 0
 
 
 def pack(dense: torch.Tensor) -> torch.Tensor:
-    """[N, K] row-major -> [N / 16, K / 2, 16, 2]: one 64-byte line per k pair and 16 columns."""
+    """[N, K] row-major -> [N / 16, K / p, 16, p] (p = 2 for bf16, 1 for fp32): one 64-byte line
+    per k pair (or k) and 16 columns."""
     n, k = dense.shape
-    return dense.detach().contiguous().view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    p = _per_line(dense.dtype)
+    return dense.detach().contiguous().view(n // 16, 16, k // p, p).permute(0, 2, 1, 3).contiguous()
 
 
 def unpack(packed: torch.Tensor) -> torch.Tensor:
     """The [N, K] row-major weight back (a new tensor)."""
-    blocks, pairs = packed.shape[:2]
-    return packed.permute(0, 2, 1, 3).reshape(blocks * 16, pairs * 2).contiguous()
+    return packed.permute(0, 2, 1, 3).reshape(dense_shape(packed)).contiguous()
 
 
 def dense_shape(packed: torch.Tensor) -> tuple[int, int]:
-    return packed.shape[0] * 16, packed.shape[1] * 2
+    return packed.shape[0] * 16, packed.shape[1] * packed.shape[3]
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -72,28 +83,32 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
 
 def linear_argmax(x: torch.Tensor, packed: torch.Tensor, valid: int | None = None) -> torch.Tensor:
     """[M] int64: each row's argmax over the first `valid` columns (all by default) of
-    `linear(x, packed)`, the bf16 values in torch.argmax's order (first NaN, else first maximum),
+    `linear(x, packed)`, its bf16 or fp32 values in torch.argmax's order (first NaN, else first maximum),
     scanned by each thread over the columns it has just computed: greedy decoding's LM head
     without the logits' float copy or a second pass over them."""
     valid = dense_shape(packed)[0] if valid is None else valid
     return torch.ops.spmd_vnni_gemm.linear_argmax(x.reshape(-1, x.shape[-1]).contiguous(), packed, valid)
 
 
-def wanted() -> bool:
-    """Whether bf16 weights should go to this kernel: "auto" (default) where it loads and
-    checks out, "onednn" never, "vnni" and "avx512" always (an error where it cannot). Also sets
-    whether the kernel uses its AMX tiles: "avx512" never, the others where they were tried."""
-    choice = envs.cpu_bf16_gemm()
+def wanted(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether weights of `dtype` (bf16 or fp32) should go to this kernel: "auto" (default)
+    where it loads and checks out, "onednn" never, "vnni" (and for bf16 "avx512") always (an
+    error where it cannot). For bf16 also sets whether the kernel uses its AMX tiles: "avx512"
+    never, the others where they were tried."""
+    fp32 = dtype == torch.float32
+    variable, choice = (envs.CPU_FP32_GEMM, envs.cpu_fp32_gemm()) if fp32 else (envs.CPU_BF16_GEMM, envs.cpu_bf16_gemm())
     if choice == "onednn":
         return False
     reason = unavailable()
     if reason is None:
-        tiles = _use_tiles(choice != "avx512" and _tiles_tried())
-        _announce(tiles)
+        if fp32:
+            _announce_fp32()
+        else:
+            _announce(_use_tiles(choice != "avx512" and _tiles_tried()))
         return True
     if choice in ("vnni", "avx512"):
-        raise ConfigError(f"{envs.CPU_BF16_GEMM}={choice}, but the kernel is unavailable: {reason}")
-    logger.debug("bf16 linear weights stay with oneDNN: %s", reason)
+        raise ConfigError(f"{variable}={choice}, but the kernel is unavailable: {reason}")
+    logger.debug("%s linear weights stay with oneDNN: %s", "fp32" if fp32 else "bf16", reason)
     return False
 
 
@@ -119,6 +134,11 @@ def _use_tiles(enable: bool) -> bool:
 def _announce(tiles: bool) -> None:
     logger.info("bf16 linear weights: the hand-written GEMM (kernels/vnni_gemm.cpp), %s",
                 "AMX tiles for K % 32 == 0, AVX512-BF16 for the rest" if tiles else "AVX512-BF16")
+
+
+@functools.lru_cache(maxsize=None)
+def _announce_fp32() -> None:
+    logger.info("fp32 linear weights: the hand-written GEMM (kernels/vnni_gemm.cpp), AVX-512 FMA")
 
 
 def _tiles_tried() -> bool:
@@ -160,16 +180,17 @@ def _fake(x, packed, bias):
 def _trial_disagrees() -> str | None:
     """The kernel's code paths (groups of 1-4 blocks, 6-row tiles and shorter tails, bias; on
     the AMX path, K % 32 == 0: one and two blocks, up to 16 rows, an overlapping last chunk,
-    chunks in pairs from 32 rows)
-    against an fp32 matmul of the same bf16 values."""
+    chunks in pairs from 32 rows; the fp32 path's same tiles)
+    against an fp32 matmul of the same values."""
     gen = torch.Generator().manual_seed(0)
-    for n, k, m, with_bias in ((48, 40, 11, True), (32, 64, 8, False), (16, 6, 1, True), (64, 128, 19, False),
-                               (48, 96, 16, True), (16, 32, 1, False), (48, 64, 37, True)):
-        w = torch.randn(n, k, generator=gen).bfloat16()
-        x = torch.randn(m, k, generator=gen).bfloat16()
-        b = torch.randn(n, generator=gen).bfloat16() if with_bias else None
-        got = linear(x, pack(w), b).float()
-        want = F.linear(x.float(), w.float(), None if b is None else b.float())
-        if not torch.allclose(got, want, rtol=1e-2, atol=1e-2) or not torch.equal(unpack(pack(w)), w):
-            return f"its trial matmul disagrees with F.linear ({n}x{k}, {m} rows)"
+    for dtype, tol in ((torch.bfloat16, 1e-2), (torch.float32, 1e-4)):
+        for n, k, m, with_bias in ((48, 40, 11, True), (32, 64, 8, False), (16, 6, 1, True), (64, 128, 19, False),
+                                   (48, 96, 16, True), (16, 32, 1, False), (48, 64, 37, True)):
+            w = torch.randn(n, k, generator=gen).to(dtype)
+            x = torch.randn(m, k, generator=gen).to(dtype)
+            b = torch.randn(n, generator=gen).to(dtype) if with_bias else None
+            got = linear(x, pack(w), b).float()
+            want = F.linear(x.float(), w.float(), None if b is None else b.float())
+            if not torch.allclose(got, want, rtol=tol, atol=tol) or not torch.equal(unpack(pack(w)), w):
+                return f"its trial {dtype} matmul disagrees with F.linear ({n}x{k}, {m} rows)"
     return None

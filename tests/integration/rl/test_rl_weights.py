@@ -17,6 +17,7 @@ from engine_helpers import make_tiny_checkpoint, reference_greedy
 from safetensors.torch import load_file
 
 from spmd_engine import LLM, SamplingParams
+from spmd_engine.model.layers.packed_weights import is_packed
 
 # The first prompt spans two full 16-token blocks: a second generate hits the prefix cache.
 PROMPTS = [list(range(1, 40)), [4, 5, 6, 7, 8], [9, 10]]
@@ -67,7 +68,7 @@ def test_uni_load_weights_equals_a_fresh_engine_on_the_new_checkpoint(ckpts, pac
         # Both of the paths trainers use reach the same model.
         assert llm.llm_engine.model_executor.driver_worker.worker.model_runner.model is model
         if packed == "1":
-            assert model.model.layers["0"].self_attn.qkv_proj.weight.is_mkldnn
+            assert is_packed(model.model.layers["0"].self_attn.qkv_proj.weight)  # oneDNN's or the kernel's layout
         if how == "all_at_once":
             loaded = model.load_weights(new_tensors.items())
         else:

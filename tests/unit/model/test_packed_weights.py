@@ -75,11 +75,13 @@ def test_packing_replaces_each_dense_weight_and_keeps_its_values(checkpoints, dt
     assert pack_linear_weights(model, batch_hint=8) == len(packable) == 4 * 4 + 1
     for name, dense in packable.items():
         weight = model.get_submodule(name).weight
-        # bf16 goes to the AVX512-BF16 kernel where this CPU has it and the shape fits it
-        vnni = dtype == torch.bfloat16 and vnni_gemm.unavailable() is None and vnni_gemm.fits(*dense.shape)
+        # bf16 and fp32 go to the hand-written kernel where this CPU has it and the shape fits it
+        vnni = vnni_gemm.unavailable() is None and vnni_gemm.fits(*dense.shape, dtype)
         assert layout(weight) == ("vnni" if vnni else "onednn"), name
+        per_line = 2 if dtype == torch.bfloat16 else 1
         assert weight.dtype == dtype and weight.shape == (dense.shape if not vnni else
-                                                          (dense.shape[0] // 16, dense.shape[1] // 2, 16, 2)), name
+                                                          (dense.shape[0] // 16, dense.shape[1] // per_line, 16,
+                                                           per_line)), name
         assert torch.equal(dense_weight(weight), dense), name
     # The tied embedding keeps its dense table for lookups; the head got a packed copy.
     assert model.model.embed_tokens.weight is embedding and not is_packed(embedding)

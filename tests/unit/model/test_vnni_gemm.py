@@ -1,4 +1,5 @@
-"""The AVX512-BF16 decode GEMM (spmd_engine/model/layers/vnni_gemm.py, kernels/vnni_gemm.cpp).
+"""The AVX512-BF16 decode GEMM (spmd_engine/model/layers/vnni_gemm.py, kernels/vnni_gemm.cpp),
+and its fp32 path (the same layout with one k per line): summed in fp32 in k order per row.
 
 The kernel computes what an fp32 matmul of the same bf16 values computes, rounded to bf16, on
 every tile path (groups of 1-4 column blocks, 6-row tiles, 1-5 row tails, bias); a row's bits
@@ -67,11 +68,33 @@ def test_the_kernel_equals_an_fp32_matmul_rounded_once(n, k, bias, kernel_path):
 
 
 @needs_kernel
-def test_a_rows_bits_do_not_depend_on_the_batch_it_came_in(kernel_path):
-    gen = torch.Generator().manual_seed(1)
-    w, b = torch.randn(112, 1536, generator=gen).bfloat16(), torch.randn(112, generator=gen).bfloat16()
+@pytest.mark.parametrize("n,k", [(16, 1), (48, 41), (64, 512), (32, 1536), (3072, 512)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_fp32_path_equals_a_double_matmul(n, k, bias):
+    """Every tile shape (groups of 1-4 blocks, 6-row tiles, 1-5 row tails, the prefetching first
+    tile) and odd K, which the bf16 path cannot take."""
+    gen = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
     packed = vnni_gemm.pack(w)
-    x = torch.randn(37, 1536, generator=gen).bfloat16()
+    assert packed.shape == (n // 16, k, 16, 1)
+    for m in (0, 1, 2, 5, 6, 7, 12, 16, 17, 33):
+        x = torch.randn(m, k, generator=gen)
+        got = packed_weights.linear(x, packed, b)
+        want = F.linear(x.double(), w.double(), None if b is None else b.double())
+        assert got.dtype == torch.float32 and got.shape == (m, n)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * k ** 0.5, msg=f"{m} rows")
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_a_rows_bits_do_not_depend_on_the_batch_it_came_in(dtype, kernel_path):
+    if dtype == torch.float32 and kernel_path == "amx":
+        pytest.skip("the fp32 path has no tiles")
+    gen = torch.Generator().manual_seed(1)
+    w, b = torch.randn(112, 1536, generator=gen).to(dtype), torch.randn(112, generator=gen).to(dtype)
+    packed = vnni_gemm.pack(w)
+    x = torch.randn(37, 1536, generator=gen).to(dtype)
     batch = vnni_gemm.linear(x, packed, b)
     for r in range(37):
         assert torch.equal(vnni_gemm.linear(x[r:r + 1], packed, b)[0], batch[r]), r
@@ -112,6 +135,12 @@ def test_pack_and_unpack_are_inverse_and_the_layout_is_told_by_the_shape():
     assert torch.equal(packed_weights.dense_weight(packed), w)
     assert packed_weights.dense_shape(packed) == (48, 40)
     assert not vnni_gemm.fits(40, 48) and not vnni_gemm.fits(48, 41) and vnni_gemm.fits(48, 40)
+    w32 = torch.randn(48, 41)
+    packed = vnni_gemm.pack(w32)
+    assert packed.shape == (3, 41, 16, 1) and vnni_gemm.dense_shape(packed) == (48, 41)
+    assert packed[1, 7, 5, 0].item() == w32[16 + 5, 7].item()  # block 1, k 7, column 5
+    assert torch.equal(vnni_gemm.unpack(packed), w32) and packed_weights.layout(packed) == "vnni"
+    assert vnni_gemm.fits(48, 41, torch.float32) and not vnni_gemm.fits(40, 48, torch.float32)
 
 
 def logits_of(path, layout: str, monkeypatch) -> list[np.ndarray]:
@@ -136,17 +165,19 @@ def test_a_model_packed_for_the_kernel_gives_onednns_logits(tmp_path, arch, monk
 
 
 @needs_kernel
-def test_packed_weights_follow_an_update_a_discard_and_a_reload(tmp_path, monkeypatch):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_packed_weights_follow_an_update_a_discard_and_a_reload(tmp_path, dtype, monkeypatch):
     """A trainer's update writes into the unpacked weight and packs it again; a discarded
     (sleep level 2) weight is allocated in the kernel's layout again: stale weights would be
     served otherwise."""
     from safetensors.torch import load_file
     monkeypatch.setenv(envs.CPU_BF16_GEMM, "vnni")
-    first = make_random_checkpoint(tmp_path / "a", **LLAMA, dtype="bfloat16")
-    second = make_random_checkpoint(tmp_path / "b", **LLAMA, dtype="bfloat16", seed=5)
+    monkeypatch.setenv(envs.CPU_FP32_GEMM, "vnni")
+    first = make_random_checkpoint(tmp_path / "a", **LLAMA, dtype=dtype)
+    second = make_random_checkpoint(tmp_path / "b", **LLAMA, dtype=dtype, seed=5)
 
     def packed(path):
-        model = load_model(path, SoloGroup(), SoloGroup(), dtype=torch.bfloat16)
+        model = load_model(path, SoloGroup(), SoloGroup(), dtype=getattr(torch, dtype))
         packed_weights.pack_linear_weights(model, batch_hint=8)
         return model
 
@@ -204,18 +235,38 @@ def test_a_kernel_that_fails_to_build_or_disagrees_leaves_weights_to_onednn(tmp_
         vnni_gemm.unavailable.cache_clear()
         monkeypatch.setattr(vnni_gemm, "linear", lambda x, packed, bias=None: torch.zeros(
             x.shape[0], packed.shape[0] * 16, dtype=x.dtype))
-        assert "its trial matmul disagrees with F.linear" in vnni_gemm.unavailable()
+        assert "its trial torch.bfloat16 matmul disagrees with F.linear" in vnni_gemm.unavailable()
         assert packed_weights._layout_for(weight, batch_invariant=False) == "onednn"
 
 
 @needs_kernel
-def test_batch_invariant_mode_and_other_dtypes_keep_onednn(monkeypatch):
+def test_batch_invariant_mode_fp16_and_shapes_it_cannot_take_keep_onednn(monkeypatch):
     monkeypatch.setenv(envs.CPU_BF16_GEMM, "auto")
+    monkeypatch.setenv(envs.CPU_FP32_GEMM, "auto")
     bf16 = torch.randn(32, 64).bfloat16()
     assert packed_weights._layout_for(bf16, batch_invariant=False) == "vnni"
     assert packed_weights._layout_for(bf16, batch_invariant=True) == "onednn"
-    assert packed_weights._layout_for(bf16.float(), batch_invariant=False) == "onednn"
+    assert packed_weights._layout_for(bf16.float(), batch_invariant=False) == "vnni"
+    assert packed_weights._layout_for(bf16.float(), batch_invariant=True) == "onednn"
+    assert packed_weights._layout_for(bf16.half(), batch_invariant=False) == "onednn"
     assert packed_weights._layout_for(torch.randn(40, 64).bfloat16(), batch_invariant=False) == "onednn"
+    assert packed_weights._layout_for(torch.randn(32, 63).bfloat16(), batch_invariant=False) == "onednn"
+    monkeypatch.setenv(envs.CPU_FP32_GEMM, "onednn")  # each dtype's own variable
+    assert packed_weights._layout_for(bf16.float(), batch_invariant=False) == "onednn"
+    assert packed_weights._layout_for(bf16, batch_invariant=False) == "vnni"
+
+
+def test_the_fp32_choice_and_its_errors(monkeypatch, fresh_availability):
+    monkeypatch.setenv(envs.CPU_FP32_GEMM, "avx512")
+    with pytest.raises(ConfigError, match="SPMD_ENGINE_CPU_FP32_GEMM='avx512': expected 'auto', 'onednn' or 'vnni'"):
+        vnni_gemm.wanted(torch.float32)
+    from spmd_engine.model import loader
+    monkeypatch.setattr(loader, "cpu_flags", lambda: frozenset({"avx2"}))
+    monkeypatch.setenv(envs.CPU_FP32_GEMM, "auto")
+    assert not vnni_gemm.wanted(torch.float32)
+    monkeypatch.setenv(envs.CPU_FP32_GEMM, "vnni")
+    with pytest.raises(ConfigError, match="SPMD_ENGINE_CPU_FP32_GEMM=vnni, but the kernel is unavailable: this CPU lacks"):
+        vnni_gemm.wanted(torch.float32)
 
 
 def test_the_kernel_is_used_wherever_the_cpu_has_the_instructions_and_g_plus_plus_is_there():
@@ -238,50 +289,55 @@ def threads(request):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("n,k", [(16, 2), (48, 64), (512, 96), (1008, 512)])
-def test_the_fused_argmax_is_torch_argmax_of_the_kernels_logits(n, k, kernel_path, threads):
+def test_the_fused_argmax_is_torch_argmax_of_the_kernels_logits(n, k, dtype, kernel_path, threads):
     """linear_argmax scans each thread's columns as they are written (16 lanes, the scalar order
     on a NaN): ties go to the first column (twins in the other thread's half included), a NaN
     beats everything and the first NaN wins, rows of -inf give column 0, and padding columns past
     `valid` never compete."""
+    if dtype == torch.float32 and kernel_path == "amx":
+        pytest.skip("the fp32 path has no tiles")
     gen = torch.Generator().manual_seed(n * k)
-    w = torch.randn(n, k, generator=gen).bfloat16()
+    w = torch.randn(n, k, generator=gen).to(dtype)
     w[n // 2:] = w[: n - n // 2]  # every column has a twin: ties everywhere
     packed = vnni_gemm.pack(w)
     for m in (0, 1, 7, 8, 17, 33):
-        x = torch.randn(m, k, generator=gen).bfloat16()
+        x = torch.randn(m, k, generator=gen).to(dtype)
         for valid in (n, max(1, n - 13), 1):
             want = vnni_gemm.linear(x, packed)[:, :valid].float().argmax(-1)
             assert torch.equal(vnni_gemm.linear_argmax(x, packed, valid), want), (m, valid)
     special = w.clone()
     special[n - 1] = float("nan")  # NaN in the last column for a row with x != 0
     special[n // 3] = float("inf")
-    x = torch.randn(6, k, generator=gen).bfloat16()
+    x = torch.randn(6, k, generator=gen).to(dtype)
     x[2] = 0  # 0 * inf = NaN: the inf column turns NaN and comes first
     packed = vnni_gemm.pack(special)
     want = vnni_gemm.linear(x, packed).float().argmax(-1)
     assert torch.equal(vnni_gemm.linear_argmax(x, packed), want)
-    negative = vnni_gemm.pack(torch.cat([-w[: n - 3].abs() - 1, torch.zeros(3, k).bfloat16()]))
-    x = torch.rand(4, k, generator=gen).bfloat16() + 0.5  # real logits all below 0, padding exactly 0
+    negative = vnni_gemm.pack(torch.cat([-w[: n - 3].abs() - 1, torch.zeros(3, k).to(dtype)]))
+    x = torch.rand(4, k, generator=gen).to(dtype) + 0.5  # real logits all below 0, padding exactly 0
     want = vnni_gemm.linear(x, negative)[:, : n - 3].float().argmax(-1)
     assert torch.equal(vnni_gemm.linear_argmax(x, negative, n - 3), want)
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("arch,layout", [(LLAMA, "vnni"), (QWEN_TIED, "vnni"), (LLAMA, "onednn")],
                          ids=["llama", "qwen_biased_tied", "llama_onednn"])
-def test_a_models_greedy_tokens_are_the_argmax_of_its_logits(tmp_path, arch, layout, monkeypatch):
+def test_a_models_greedy_tokens_are_the_argmax_of_its_logits(tmp_path, arch, layout, dtype, monkeypatch):
     """The LM head's fused argmax (the kernel's layout, a padded vocabulary, a tied head) and its
     fallback (oneDNN's layout) give what argmax over compute_logits gives."""
     from spmd_engine.sample.sampler import greedy_tokens
-    path = make_random_checkpoint(tmp_path / "m", **arch, dtype="bfloat16")
+    path = make_random_checkpoint(tmp_path / "m", **arch, dtype=dtype)
     monkeypatch.setenv(envs.CPU_BF16_GEMM, layout)
-    model = load_model(path, SoloGroup(), SoloGroup(), dtype=torch.bfloat16)
+    monkeypatch.setenv(envs.CPU_FP32_GEMM, layout)
+    model = load_model(path, SoloGroup(), SoloGroup(), dtype=getattr(torch, dtype))
     packed_weights.pack_linear_weights(model, batch_hint=8)
     head = model.lm_head
     assert head.padded_vocab_size > head.vocab_size  # the padding rows must not compete
     assert packed_weights.layout(head.weight) == layout
     gen = torch.Generator().manual_seed(3)
     for rows in (1, 8, 13):
-        hidden = torch.randn(rows, arch["hidden_size"], generator=gen).bfloat16() * 4
+        hidden = torch.randn(rows, arch["hidden_size"], generator=gen).to(getattr(torch, dtype)) * 4
         assert torch.equal(model.greedy_tokens(hidden), greedy_tokens(model.compute_logits(hidden)))

@@ -1,5 +1,6 @@
 // bf16 linear for AVX512-BF16 CPUs: out[M, N] = x[M, K] W[N, K]^T (+ bias), fp32 accumulation,
-// rounded to bf16 once at the end. vnni_gemm.py builds it (g++ -march=native) and packs weights.
+// rounded to bf16 once at the end; and the same for fp32 weights (namespace f32 below). vnni_gemm.py
+// builds it (g++ -march=native) and packs weights.
 //
 // Why: at decode sizes oneDNN's packed call costs 30-40 us before it reads a byte and streams
 // small matrices at a fraction of memory bandwidth (docs/performance.md). Here the weight is
@@ -16,6 +17,12 @@
 // by memory; a tile multiply does 16 rows x 16 columns x 32 k at once. Which path a weight takes
 // depends only on its K and the process (use_amx), never on the batch, and a tile's rows are
 // computed independently, k chunk after k chunk: a row's bits still do not depend on its batch.
+//
+// fp32 weights are packed the same way with one k per line ([N / 16][K][16][1]: 16 columns of one
+// k). At decode sizes oneDNN's fp32 call streams small matrices well below one core's read
+// bandwidth; here each 6-row by 4-block tile does 24 FMAs per 4 lines, and the first tile of a
+// block group (the one that brings the weight in from memory) prefetches its streams ahead, so
+// the later tiles find the group (K x 256 bytes) in L2. Each row still sums k in order, alone.
 #include <immintrin.h>
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -34,16 +41,23 @@ namespace {
 constexpr int kGroup = 4;  // blocks per task: 4 x 16 columns
 constexpr int kRows = 6;   // rows per full tile: 6 x 4 accumulators + 4 weights + 1 broadcast of 32 registers
 
-struct Out {
-  uint16_t* data;     // bf16 output, row-major
+template <class T>
+struct Output {
+  T* data;            // bf16 (uint16_t) or fp32 output, row-major
   int64_t ld;         // elements between rows
   const float* bias;  // fp32, N values, or null
 };
+using Out = Output<uint16_t>;
 
 // out[row, col:col+16] = bf16(v + bias[col:col+16]): one rounding, after the whole sum.
 inline void store16(const Out& o, int64_t row, int64_t col, __m512 v) {
   if (o.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(o.bias + col));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.data + row * o.ld + col), (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+inline void store16(const Output<float>& o, int64_t row, int64_t col, __m512 v) {
+  if (o.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(o.bias + col));
+  _mm512_storeu_ps(o.data + row * o.ld + col, v);
 }
 
 template <int MB, int NB>
@@ -80,6 +94,57 @@ inline void rows(int64_t M, const uint16_t* x, int64_t K, const uint16_t* wb, co
     default: return tile<5, NB>(xm, K, wb, o, m, col);
   }
 }
+
+namespace f32 {
+
+constexpr int kAhead = 64;  // k steps a tile's weight streams are prefetched ahead (4 KiB each)
+
+// MB rows by NB blocks, k in order; `ahead`: this tile is the first over these blocks, so it
+// prefetches their streams (the later tiles read them from L2).
+template <int MB, int NB, bool ahead>
+inline void tile(const float* x, int64_t K, const float* wb, const Output<float>& o, int64_t row, int64_t col) {
+  __m512 acc[MB][NB];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 w[NB];
+    for (int j = 0; j < NB; ++j) w[j] = _mm512_loadu_ps(wb + j * K * 16 + k * 16);
+    if constexpr (ahead)
+      for (int j = 0; j < NB; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(wb + j * K * 16 + (k + kAhead) * 16), _MM_HINT_T0);
+    for (int m = 0; m < MB; ++m) {
+      const __m512 xb = _mm512_set1_ps(x[m * K + k]);
+      for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_fmadd_ps(xb, w[j], acc[m][j]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) store16(o, row + m, col + j * 16, acc[m][j]);
+}
+
+template <int MB, int NB>
+inline void tile_at(bool first, const float* x, int64_t K, const float* wb, const Output<float>& o, int64_t row,
+                    int64_t col) {
+  if (first) tile<MB, NB, true>(x, K, wb, o, row, col);
+  else tile<MB, NB, false>(x, K, wb, o, row, col);
+}
+
+// All M rows against NB blocks starting at column `col`: full tiles, then one tile of the rest.
+template <int NB>
+inline void rows(int64_t M, const float* x, int64_t K, const float* wb, const Output<float>& o, int64_t col) {
+  int64_t m = 0;
+  for (; m + kRows <= M; m += kRows) tile_at<kRows, NB>(m == 0, x + m * K, K, wb, o, m, col);
+  const float* xm = x + m * K;
+  switch (M - m) {
+    case 0: return;
+    case 1: return tile_at<1, NB>(m == 0, xm, K, wb, o, m, col);
+    case 2: return tile_at<2, NB>(m == 0, xm, K, wb, o, m, col);
+    case 3: return tile_at<3, NB>(m == 0, xm, K, wb, o, m, col);
+    case 4: return tile_at<4, NB>(m == 0, xm, K, wb, o, m, col);
+    default: return tile_at<5, NB>(m == 0, xm, K, wb, o, m, col);
+  }
+}
+
+}  // namespace f32
 
 bool g_use_amx = false;  // set once by use_amx(); only K % 32 == 0 weights take the tile path
 
@@ -224,16 +289,31 @@ bool use_amx(bool enable) {
 bool use_amx(bool) { return false; }  // built for a CPU without AMX: the AVX-512 path only
 #endif
 
-// out = x W^T (+ bias) into `out` ([M, N] bf16); then, per parallel range of whole blocks,
-// after(first column, end column) while that range's outputs are still in this core's cache.
+// Blocks in groups of kGroup, spread over the threads: group(first block, blocks in it) for each,
+// then after(first column, end column) per parallel range, while its outputs are in cache.
+template <class Group, class After>
+void by_groups(int64_t blocks, Group group, After after) {
+  const int64_t groups = (blocks + kGroup - 1) / kGroup;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) group(g * kGroup, std::min<int64_t>(kGroup, blocks - g * kGroup));
+    after(begin * kGroup * 16, std::min(end * kGroup, blocks) * 16);
+  });
+}
+
+// out = x W^T (+ bias) into `out` ([M, N], x's dtype: bf16 or fp32); then, per parallel range of
+// whole blocks, after(first column, end column) while that range's outputs are still in this
+// core's cache.
 template <class After>
 void compute(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
              at::Tensor& out, After after) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "vnni linear: contiguous 2-D bf16 x");
-  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 2 && packed.is_contiguous()
-              && packed.scalar_type() == at::kBFloat16, "vnni linear: a weight from vnni_gemm.pack");
+  const bool fp32 = x.scalar_type() == at::kFloat;
+  const int64_t per_line = fp32 ? 1 : 2;  // values of k in one 64-byte line of a block
+  TORCH_CHECK(x.dim() == 2 && (fp32 || x.scalar_type() == at::kBFloat16) && x.is_contiguous(),
+              "vnni linear: contiguous 2-D bf16 or fp32 x");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == per_line && packed.is_contiguous()
+              && packed.scalar_type() == x.scalar_type(), "vnni linear: a weight from vnni_gemm.pack, x's dtype");
   const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0), N = blocks * 16;
-  TORCH_CHECK(packed.size(1) * 2 == K, "vnni linear: x has ", K, " columns, the weight ", packed.size(1) * 2);
+  TORCH_CHECK(packed.size(1) * per_line == K, "vnni linear: x has ", K, " columns, the weight ", packed.size(1) * per_line);
   at::Tensor bias32;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "vnni linear: bias of ", N, " values");
@@ -241,7 +321,23 @@ void compute(const at::Tensor& x, const at::Tensor& packed, const std::optional<
   }
   out = at::empty({M, N}, x.options());
   if (M == 0) return;
-  const Out o{reinterpret_cast<uint16_t*>(out.data_ptr()), N, bias32.defined() ? bias32.data_ptr<float>() : nullptr};
+  const float* b32 = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
+  if (fp32) {
+    const Output<float> o{out.data_ptr<float>(), N, b32};
+    const float* xd = x.data_ptr<float>();
+    const float* wd = packed.data_ptr<float>();
+    by_groups(blocks, [&](int64_t b, int64_t n) {
+      const float* wb = wd + b * K * 16;
+      switch (n) {
+        case 4: return f32::rows<4>(M, xd, K, wb, o, b * 16);
+        case 3: return f32::rows<3>(M, xd, K, wb, o, b * 16);
+        case 2: return f32::rows<2>(M, xd, K, wb, o, b * 16);
+        default: return f32::rows<1>(M, xd, K, wb, o, b * 16);
+      }
+    }, after);
+    return;
+  }
+  const Out o{reinterpret_cast<uint16_t*>(out.data_ptr()), N, b32};
   const uint16_t* xd = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const uint16_t* wd = reinterpret_cast<const uint16_t*>(packed.data_ptr());
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -256,20 +352,15 @@ void compute(const at::Tensor& x, const at::Tensor& packed, const std::optional<
     return;
   }
 #endif
-  const int64_t groups = (blocks + kGroup - 1) / kGroup;
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t b = g * kGroup;
-      const uint16_t* wb = wd + b * K * 16;
-      switch (std::min<int64_t>(kGroup, blocks - b)) {
-        case 4: rows<4>(M, xd, K, wb, o, b * 16); break;
-        case 3: rows<3>(M, xd, K, wb, o, b * 16); break;
-        case 2: rows<2>(M, xd, K, wb, o, b * 16); break;
-        default: rows<1>(M, xd, K, wb, o, b * 16); break;
-      }
+  by_groups(blocks, [&](int64_t b, int64_t n) {
+    const uint16_t* wb = wd + b * K * 16;
+    switch (n) {
+      case 4: return rows<4>(M, xd, K, wb, o, b * 16);
+      case 3: return rows<3>(M, xd, K, wb, o, b * 16);
+      case 2: return rows<2>(M, xd, K, wb, o, b * 16);
+      default: return rows<1>(M, xd, K, wb, o, b * 16);
     }
-    after(begin * kGroup * 16, std::min(end * kGroup, blocks) * 16);
-  });
+  }, after);
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
@@ -293,12 +384,23 @@ inline float widen(uint16_t bf16) {
   return f;
 }
 
+inline float widen(float f) { return f; }
+
+// 16 values from column c as fp32.
+inline __m512 load16(const uint16_t* p, int64_t c) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + c))), 16));
+}
+
+inline __m512 load16(const float* p, int64_t c) { return _mm512_loadu_ps(p + c); }
+
 // Whether `b` (from columns after `a`'s) takes the lead: a NaN is never overtaken.
 inline bool overtakes(const Best& b, const Best& a) {
   return !std::isnan(a.value) && (std::isnan(b.value) || b.value > a.value);
 }
 
-Best scan_scalar(const uint16_t* p, int64_t c0, int64_t c1) {
+template <class T>
+Best scan_scalar(const T* p, int64_t c0, int64_t c1) {
   Best best{widen(p[c0]), c0};
   for (int64_t c = c0 + 1; c < c1; ++c) {
     const Best here{widen(p[c]), c};
@@ -309,12 +411,10 @@ Best scan_scalar(const uint16_t* p, int64_t c0, int64_t c1) {
 
 // Columns [c0, c1) of one row: 16 lanes, each keeping its first maximum, then the largest lane
 // value at its smallest index. A NaN anywhere sends the row to the scalar scan (exact order).
-Best scan(const uint16_t* p, int64_t c0, int64_t c1) {
+template <class T>
+Best scan(const T* p, int64_t c0, int64_t c1) {
   if (c1 - c0 < 32) return scan_scalar(p, c0, c1);
-  auto load = [&](int64_t c) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + c))), 16));
-  };
+  auto load = [&](int64_t c) { return load16(p, c); };
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   __m512 top = load(c0);
   __m512i at = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(c0)));
@@ -339,7 +439,7 @@ Best scan(const uint16_t* p, int64_t c0, int64_t c1) {
   return best;
 }
 
-// [M] int64: argmax over the first `valid` columns of each row of x W^T as bf16 (what
+// [M] int64: argmax over the first `valid` columns of each row of x W^T in x's dtype (what
 // argmax(linear(x, W)[:, :valid].float()) gives); the columns past them (a padded vocabulary's
 // zero rows) are computed but never compete.
 at::Tensor linear_argmax(const at::Tensor& x, const at::Tensor& packed, int64_t valid) {
@@ -355,9 +455,14 @@ at::Tensor linear_argmax(const at::Tensor& x, const at::Tensor& packed, int64_t 
   compute(x, packed, std::nullopt, out, [&](int64_t c0, int64_t c1) {
     c1 = std::min(c1, valid);
     if (c0 >= c1) return;
-    const uint16_t* d = reinterpret_cast<const uint16_t*>(out.data_ptr());
     std::vector<Best> rows(static_cast<size_t>(M));
-    for (int64_t m = 0; m < M; ++m) rows[m] = scan(d + m * N, c0, c1);
+    if (out.scalar_type() == at::kFloat) {
+      const float* d = out.data_ptr<float>();
+      for (int64_t m = 0; m < M; ++m) rows[m] = scan(d + m * N, c0, c1);
+    } else {
+      const uint16_t* d = reinterpret_cast<const uint16_t*>(out.data_ptr());
+      for (int64_t m = 0; m < M; ++m) rows[m] = scan(d + m * N, c0, c1);
+    }
     std::lock_guard<std::mutex> hold(lock);
     ranges.emplace_back(c0, std::move(rows));
   });
