@@ -530,20 +530,50 @@ def fig_tp(args, tp: int = 2) -> None:
          prompt=plen, new_tokens=new, dtype="float32", loadavg_1m=loadavg())
 
 
-def timed_pp_partition(llm, rows: int) -> str:
-    """Layers on stage 0 vs stage 1 that make the two stages' matmul time closest, the LM head
-    on the last, from the uni engine's own matmuls timed at `rows` rows. (Weight bytes are not
-    the cost: at 16 rows the head's one big matrix streams faster than a layer's four small
-    ones; by bytes the head is 5.4 layers, by time about 3.)"""
-    seconds = matmul_seconds(llm, rows)
-    head = sum(t for name, t in seconds.items() if not name.startswith("model.layers."))
-    per_layer = {}
-    for name, t in seconds.items():
-        if name.startswith("model.layers."):
-            layer = int(name.split(".")[2])
-            per_layer[layer] = per_layer.get(layer, 0.0) + t
-    layer = statistics.median(per_layer.values())
-    n = len(per_layer)
+def timed_pp_partition(llm, prompts, new: int) -> str:
+    """Layers on stage 0 vs stage 1 that make the two stages' work closest, the LM head on the
+    last: each decoder layer and the head (with greedy sampling) timed inside the uni engine's
+    own decode steps on `prompts` (a stage's batch; their prompts cached first), so a layer's
+    norms, rotary and attention count beside its matmuls. (Matmuls alone misjudge it: at 16 rows in fp32 the head's one big
+    matrix weighs 5.4 layers by bytes and 5-6 by matmul time, but 4 by whole layers.)"""
+    model = llm.llm_engine.model_executor.driver_worker.model_runner.model
+    layers = list(model.model.layers.values())
+    spent = {"layers": 0.0, "head": 0.0}
+    started = {}
+
+    def before(module, args):
+        started[module] = time.perf_counter()
+
+    def after(module, args, out):
+        spent["layers"] += time.perf_counter() - started.pop(module)
+
+    def timed(fn):
+        def call(*args, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                spent["head"] += time.perf_counter() - t
+        return call
+    time_engine(llm, prompts, new)  # the prompts' blocks into the prefix cache: timed runs are decode steps
+    hooks = [h for layer in layers for h in (layer.register_forward_pre_hook(before),
+                                             layer.register_forward_hook(after))]
+    model.greedy_tokens, model.compute_logits = timed(model.greedy_tokens), timed(model.compute_logits)
+    runs = []
+    try:
+        for _ in range(3):
+            spent.update(layers=0.0, head=0.0)
+            time_engine(llm, prompts, new)
+            runs.append(dict(spent))
+    finally:
+        for h in hooks:
+            h.remove()
+        del model.greedy_tokens, model.compute_logits  # the class's methods again
+    n = len(layers)
+    if not all(run["layers"] for run in runs):
+        raise RuntimeError("no decoder layer ran through its module (a compiled forward?): cannot time the stages")
+    layer, head = (statistics.median(run[k] for run in runs) for k in ("layers", "head"))
+    layer /= n
     first = min(range(1, n), key=lambda k: max(k * layer, (n - k) * layer + head))
     return f"{first},{n - first}"
 
@@ -578,7 +608,7 @@ def pp_vs_uni(args, prompts, new: int, fresh_prefill: bool, partition: str | Non
         return time_engine(llm, some, new)
     try:
         uni = LLM(distributed_executor_backend="uni", **engine_kw)
-        partition = partition or timed_pp_partition(uni, len(prompts) // 2)
+        partition = partition or timed_pp_partition(uni, prompts[:len(prompts) // 2], min(new, 32))
         os.environ["SPMD_ENGINE_PP_PARTITION"] = partition  # read by the spawned workers
         par = LLM(pipeline_parallel_size=2, distributed_executor_backend="mp", **engine_kw)
         par_gloo = None
