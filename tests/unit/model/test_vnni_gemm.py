@@ -67,6 +67,18 @@ def test_the_kernel_equals_an_fp32_matmul_rounded_once(n, k, bias, kernel_path):
         torch.testing.assert_close(got.double(), want, rtol=2 ** -7, atol=1e-5 * k ** 0.5, msg=f"{m} rows")
 
 
+@pytest.fixture(params=["bf16-avx512", "bf16-amx", "fp32"])
+def dtype_and_path(request):
+    """The kernel's paths: bf16 on AVX-512 and on AMX tiles (where there are tiles), and fp32
+    (which has no tile path); yields the dtype, the tile choice set and put back."""
+    if request.param == "bf16-amx" and not vnni_gemm._tiles_tried():
+        pytest.skip("no AMX path here (CPU, build or OS)")
+    was = vnni_gemm.amx_in_use()
+    vnni_gemm._use_tiles(request.param == "bf16-amx")
+    yield torch.float32 if request.param == "fp32" else torch.bfloat16
+    vnni_gemm._use_tiles(was)
+
+
 @needs_kernel
 @pytest.mark.parametrize("n,k", [(16, 1), (48, 41), (64, 512), (32, 1536), (3072, 512)])
 @pytest.mark.parametrize("bias", [False, True])
@@ -87,10 +99,8 @@ def test_the_fp32_path_equals_a_double_matmul(n, k, bias):
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_a_rows_bits_do_not_depend_on_the_batch_it_came_in(dtype, kernel_path):
-    if dtype == torch.float32 and kernel_path == "amx":
-        pytest.skip("the fp32 path has no tiles")
+def test_a_rows_bits_do_not_depend_on_the_batch_it_came_in(dtype_and_path):
+    dtype = dtype_and_path
     gen = torch.Generator().manual_seed(1)
     w, b = torch.randn(112, 1536, generator=gen).to(dtype), torch.randn(112, generator=gen).to(dtype)
     packed = vnni_gemm.pack(w)
@@ -289,15 +299,13 @@ def threads(request):
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("n,k", [(16, 2), (48, 64), (512, 96), (1008, 512)])
-def test_the_fused_argmax_is_torch_argmax_of_the_kernels_logits(n, k, dtype, kernel_path, threads):
+def test_the_fused_argmax_is_torch_argmax_of_the_kernels_logits(n, k, dtype_and_path, threads):
     """linear_argmax scans each thread's columns as they are written (16 lanes, the scalar order
     on a NaN): ties go to the first column (twins in the other thread's half included), a NaN
     beats everything and the first NaN wins, rows of -inf give column 0, and padding columns past
     `valid` never compete."""
-    if dtype == torch.float32 and kernel_path == "amx":
-        pytest.skip("the fp32 path has no tiles")
+    dtype = dtype_and_path
     gen = torch.Generator().manual_seed(n * k)
     w = torch.randn(n, k, generator=gen).to(dtype)
     w[n // 2:] = w[: n - n // 2]  # every column has a twin: ties everywhere
