@@ -534,8 +534,9 @@ def timed_pp_partition(llm, prompts, new: int) -> str:
     """Layers on stage 0 vs stage 1 that make the two stages' work closest, the LM head on the
     last: each decoder layer and the head (with greedy sampling) timed inside the uni engine's
     own decode steps on `prompts` (a stage's batch; their prompts cached first), so a layer's
-    norms, rotary and attention count beside its matmuls. (Matmuls alone misjudge it: at 16 rows in fp32 the head's one big
-    matrix weighs 5.4 layers by bytes and 5-6 by matmul time, but 4 by whole layers.)"""
+    norms, rotary and attention count beside its matmuls. (Matmuls alone misjudge it: at 16
+    rows in fp32 the head's one big matrix weighs 5.4 layers by bytes and 5-6 by the kernel's
+    matmul time, but about 3-4 whole layers, which picks 6,2 where matmuls picked 7,1.)"""
     model = llm.llm_engine.model_executor.driver_worker.model_runner.model
     layers = list(model.model.layers.values())
     spent = {"layers": 0.0, "head": 0.0}
@@ -654,8 +655,8 @@ def fig_pp(args) -> None:
     decode-bound batch (the target) and a prefill-bound one, each beside its half-batch ceiling."""
     batch = 32
     # In decode the last stage also runs the LM head on every row: an even split of layers
-    # leaves stage 0 idle part of every step, so balance the stages' timed matmuls
-    # (SPMD_ENGINE_PP_PARTITION, as vLLM's VLLM_PP_LAYER_PARTITION). In prefill the head runs
+    # leaves stage 0 idle part of every step, so balance the stages' timed layers and head
+    # (timed_pp_partition; SPMD_ENGINE_PP_PARTITION, as vLLM's VLLM_PP_LAYER_PARTITION). In prefill the head runs
     # on one row per prompt: the layers are the work, and the default even split balances them.
     layers = LLAMA_SHAPE["num_layers"]
     cases = [("", 32, 16 if args.quick else 64, False, None, {}),
