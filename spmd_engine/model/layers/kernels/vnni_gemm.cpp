@@ -456,13 +456,11 @@ at::Tensor linear_argmax(const at::Tensor& x, const at::Tensor& packed, int64_t 
     c1 = std::min(c1, valid);
     if (c0 >= c1) return;
     std::vector<Best> rows(static_cast<size_t>(M));
-    if (out.scalar_type() == at::kFloat) {
-      const float* d = out.data_ptr<float>();
+    auto scan_rows = [&](const auto* d) {
       for (int64_t m = 0; m < M; ++m) rows[m] = scan(d + m * N, c0, c1);
-    } else {
-      const uint16_t* d = reinterpret_cast<const uint16_t*>(out.data_ptr());
-      for (int64_t m = 0; m < M; ++m) rows[m] = scan(d + m * N, c0, c1);
-    }
+    };
+    if (out.scalar_type() == at::kFloat) scan_rows(out.data_ptr<float>());
+    else scan_rows(reinterpret_cast<const uint16_t*>(out.data_ptr()));
     std::lock_guard<std::mutex> hold(lock);
     ranges.emplace_back(c0, std::move(rows));
   });
