@@ -17,9 +17,11 @@ Lifetime is about what a SIGKILL can leave behind. The memory lives exactly as l
 last mapping, whatever happens; only the *name* can outlive every process. So each segment
 is made with one of three lifetimes for its name:
 
-- NAMELESS: the name is removed before `create` returns. Peers open the creator's
-  descriptor through /proc/<creator pid>/fd/<fd>, which needs the same user and the same
-  pid namespace; there is no moment at which a SIGKILL could leave a name.
+- NAMELESS: the name is removed right after the exclusive open, before the space is
+  reserved. Peers open the creator's descriptor through /proc/<creator pid>/fd/<fd>, which
+  needs the same user and the same pid namespace; only a SIGKILL between those two system
+  calls could leave a name (removing it after reserving, as before, left an empty one in a CI
+  run whose fault tests kill processes during start-up).
 - UNTIL_ATTACHED: peers attach by name (they may be in another pid namespace); the creator
   removes it once every peer has attached. A creator SIGKILLed before that leaves the name.
 - TRACKED: UNTIL_ATTACHED, and the creator registers the name with multiprocessing's
@@ -105,15 +107,18 @@ class Segment:
             break
         else:  # pragma: no cover - 100 collisions of 64-bit tokens
             raise FileExistsError("could not pick a free shared-memory name")
+        nameless = lifetime is Lifetime.NAMELESS
+        if nameless:  # at once: a SIGKILL while reserving would otherwise leave the name
+            os.unlink(SHM_DIR + name)
         try:
             _reserve(fd, size, what)
             mm = mmap.mmap(fd, size)
         except BaseException:
-            os.unlink(SHM_DIR + name)
+            if not nameless:
+                os.unlink(SHM_DIR + name)
             os.close(fd)
             raise
-        if lifetime is Lifetime.NAMELESS:
-            os.unlink(SHM_DIR + name)
+        if nameless:
             return cls(name, mm, owner=True, lifetime=lifetime, fd=fd)
         os.close(fd)
         if lifetime is Lifetime.TRACKED:
