@@ -8,6 +8,13 @@ module owns nothing: its inputs are the chunk's weights, in a fixed order, then 
 (torch.func.functional_call for the weights, the attention modules' cache attributes for the
 caches) and takes them out again afterwards. On the last pipeline stage the model's final norm
 comes last among the weights, and the chunk returns the normed sum as well (compilation.py).
+
+Nothing here may hold a container whose identity matters later: torch.export snapshots the
+exported module's plain attributes through pytree and puts the snapshot back when it is done
+(`_detect_attribute_assignment`), which rebuilds every list, tuple and dict in them. So the
+weights are found through their modules (which pytree leaves alone), never through a kept
+`_parameters` dict: a kept one came back from the export as a copy, and a weight replaced
+afterwards (a repack after `load_weights`, sleep level 2) never reached the graph.
 """
 
 from __future__ import annotations
@@ -33,15 +40,16 @@ class ChunkProgram(nn.Module):
         self.names = [[name for name, _ in layer.named_parameters()] for layer in chunk]
         self._owners = [_owner(layer, name) for layer, names in zip(chunk, self.names) for name in names]
         if norm is not None:
-            self._owners.append((norm._parameters, "weight"))
+            self._owners.append((norm, "weight"))
         self._attention = [_attention(layer) for layer in chunk]
         self.leading = len(self._owners) + 2 * len(chunk)  # weights and caches
 
     def weights(self) -> list[torch.Tensor]:
         # Read from each module's parameter dict, not through nn.Module.__getattr__ (a few us a
         # step for a chunk's ~60 weights): a name registered as a parameter stays one, since
-        # nn.Module refuses to rebind it to anything but a Parameter.
-        return [params[name] for params, name in self._owners]
+        # nn.Module refuses to rebind it to anything but a Parameter. The dict is looked up on
+        # the module every time (the module docstring says why).
+        return [module._parameters[name] for module, name in self._owners]
 
     def caches(self) -> list[torch.Tensor]:
         return [c for a in self._attention for c in (a.k_cache, a.v_cache)]
@@ -73,10 +81,10 @@ class ChunkProgram(nn.Module):
         return hidden, residual, normed
 
 
-def _owner(layer: nn.Module, name: str) -> tuple[dict, str]:
-    """The parameter dict that holds `name` (dotted, under `layer`), and its key there."""
+def _owner(layer: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """The module whose parameter `name` (dotted, under `layer`) is, and its name there."""
     *path, attr = name.split(".")
     module = layer
     for part in path:
         module = getattr(module, part)
-    return module._parameters, attr
+    return module, attr

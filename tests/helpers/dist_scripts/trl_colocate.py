@@ -123,6 +123,9 @@ def main() -> None:
     report["n4"] = {"tokens": tokens, "logprobs": logprobs}
     blocks = llm.llm_engine.vllm_config.cache_config
     report["blocks"] = [blocks.num_gpu_blocks, blocks.num_cpu_blocks]
+    runner = llm.get_stats()[0]["runner"]  # compiled graphs this engine built itself, and loaded
+    report["compiled"] = {"built": runner["compiled_graphs"] - runner["compiled_graphs_loaded"],
+                          "loaded": runner["compiled_graphs_loaded"]}
     llm.shutdown()
 
     report["fresh"] = {path: fresh_tokens(path, tp, process_index, tp_group, mine, trl_params(), len(steps))

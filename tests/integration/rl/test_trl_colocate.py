@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,6 +40,23 @@ def checkpoints(tmp_path_factory) -> list[str]:
         g = torch.Generator().manual_seed(step)
         weights = {n: t + 0.5 * t.float().std() * torch.randn(t.shape, generator=g) for n, t in weights.items()}
         save_file(weights, out / "model.safetensors")
+        paths.append(str(out))
+    return paths
+
+
+@pytest.fixture(scope="module")
+def bf16_checkpoints(checkpoints, tmp_path_factory) -> list[str]:
+    """The same three checkpoints in bf16: `--dtype auto` then runs bf16 (on a CPU without bf16
+    instructions too, with SPMD_ENGINE_CPU_BF16=1), where the forward compiles by default."""
+    root = tmp_path_factory.mktemp("trl_bf16")
+    paths = []
+    for path in map(Path, checkpoints):
+        out = root / path.name
+        out.mkdir()
+        config = json.loads((path / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}))
+        save_file({n: t.to(torch.bfloat16) for n, t in load_file(path / "model.safetensors").items()},
+                  out / "model.safetensors")
         paths.append(str(out))
     return paths
 
@@ -80,6 +98,25 @@ def test_trl_sequence_at_tp1_with_the_environment_set_by_hand(checkpoints):
     (report,) = _reports(launch, 1)
     _check_steps(report, checkpoints)
     assert "max_num_seqs" not in launch.stderr  # None means the default, as in vLLM
+
+
+@pytest.mark.timeout(300)
+def test_trl_sequence_at_tp1_compiled_with_graphs_built_in_the_rank(bf16_checkpoints, tmp_path):
+    """The same in bf16, where the forward compiles by default (as vLLM's does), with an empty
+    inductor cache (a job's first start): the rank exports and builds its graphs itself, then
+    takes TRL's pushes. A
+    compiled engine that had built its graphs in its own process once served the original
+    weights' tokens after every push (the program read copies of the parameter dicts that
+    torch.export left behind: tests/unit/model/test_chunk_program.py); the fresh engines load
+    the graphs the first one saved."""
+    def env(rank, port):
+        return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port), "SPMD_ENGINE_ENFORCE_EAGER": "0", "SPMD_ENGINE_CPU_BF16": "1",
+                "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    launch = run_ranks_on_free_port(1, [SCRIPT, "bare", "1", *bf16_checkpoints], env, timeout=290)
+    (report,) = _reports(launch, 1)
+    _check_steps(report, bf16_checkpoints)
+    assert report["compiled"] == {"built": 3, "loaded": 0}, report["compiled"]
 
 
 @pytest.mark.timeout(240)
