@@ -104,11 +104,10 @@ def test_trl_sequence_at_tp1_with_the_environment_set_by_hand(checkpoints):
 def test_trl_sequence_at_tp1_compiled_with_graphs_built_in_the_rank(bf16_checkpoints, tmp_path):
     """The same in bf16, where the forward compiles by default (as vLLM's does), with an empty
     inductor cache (a job's first start): the rank exports and builds its graphs itself, then
-    takes TRL's pushes. A
-    compiled engine that had built its graphs in its own process once served the original
-    weights' tokens after every push (the program read copies of the parameter dicts that
-    torch.export left behind: tests/unit/model/test_chunk_program.py); the fresh engines load
-    the graphs the first one saved."""
+    takes TRL's pushes. A compiled engine that had built its graphs in its own process once
+    served the original weights' tokens after every push (the program read copies of the
+    parameter dicts that torch.export left behind: tests/unit/model/test_chunk_program.py); the
+    fresh engines load the graphs the first one saved."""
     def env(rank, port):
         return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(port), "SPMD_ENGINE_ENFORCE_EAGER": "0", "SPMD_ENGINE_CPU_BF16": "1",

@@ -4,7 +4,7 @@ The package reads its weights from the list `ChunkProgram.weights()` gives at ev
 that list must be the model's live Parameters for as long as the model lives, also after the
 program has been through torch.export (which snapshots and restores the exported module's
 attributes, rebuilding their containers) and after a weight is replaced by a new Parameter
-(`load_weights` repacks; sleep level 2 allocates anew). Getting this wrong serves the old
+(`load_weights` repacks packed weights; sleep level 2 replaces them). Getting this wrong serves the old
 weights from a compiled engine that built its graphs in its own process.
 """
 
@@ -52,7 +52,7 @@ def test_weights_replaced_after_the_export_are_the_ones_it_gives(model):
     _export(program, model)
     assert all(a is b for a, b in zip(program.weights(), _live(model), strict=True))
     # As load_weights does: a packed weight written through its dense form and packed anew (a new
-    # Parameter), and as sleep level 2 does for any weight: a new Parameter in the module's place.
+    # Parameter; sleep level 2 replaces packed weights alike); and any Parameter assigned anew.
     qkv = model.model.layers["0"].self_attn.qkv_proj
     assert is_packed(qkv.weight)
     old = qkv.weight
