@@ -63,11 +63,25 @@ def built(source: Path) -> Path:
     return path
 
 
+# Instruction sets a source may test for (#if defined(__AVX512BF16__)), as torch's cpuinfo names
+# them, with the g++ option that turns each off.
+_OPTIONAL = (("avx512_bf16", "-mno-avx512bf16"), ("amx_tile", "-mno-amx-tile"), ("amx_bf16", "-mno-amx-bf16"))
+
+
+def _not_on_this_cpu() -> list[str]:
+    """-mno-X for each optional instruction set the engine finds no flag for: -march=native
+    leaves them out already on such a CPU; saying so builds what the engine will expect (and
+    lets a test build the library of a CPU without them)."""
+    from spmd_engine.model.loader import cpu_flags
+    flags = cpu_flags()
+    return [option for flag, option in _OPTIONAL if flag not in flags]
+
+
 def _compile(source: Path, path: Path) -> None:
     from torch.utils import cpp_extension
     torch_lib = Path(torch.__file__).parent / "lib"
     partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.so")
-    cmd = ["g++", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20",
+    cmd = ["g++", "-O3", "-march=native", *_not_on_this_cpu(), "-fopenmp", "-shared", "-fPIC", "-std=c++20",
            *[f"-I{p}" for p in cpp_extension.include_paths()], f"-I{sysconfig.get_paths()['include']}",
            str(source), "-o", str(partial), f"-L{torch_lib}", "-ltorch", "-ltorch_cpu", "-lc10",
            f"-Wl,-rpath,{torch_lib}", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]

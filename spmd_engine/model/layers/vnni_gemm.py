@@ -16,9 +16,10 @@ AVX-512 one and used where the build targets AMX and the OS grants the tile stat
 oneDNN's time at 8 rows; `SPMD_ENGINE_CPU_BF16_GEMM=avx512` keeps the AVX-512 path). Which path
 a weight takes depends on its K and the process, never on the batch.
 
-fp32 weights go to the same kernel's fp32 path (plain AVX-512 FMAs: any CPU the kernel builds
-on) packed as [N / 16, K, 16, 1]: oneDNN's fp32 call streamed a decode step's small matrices at
-60-65% of one core's read bandwidth; the kernel took 0.75x its time at 8 and 16 rows on one
+fp32 weights go to the same kernel's fp32 path (plain AVX-512 FMAs: any CPU with AVX-512 F, BW
+and VL, AVX512-BF16 or not; built for a CPU without it, the library has this path only) packed
+as [N / 16, K, 16, 1]: oneDNN's fp32 call streamed a decode step's small matrices at 60-65% of
+one core's read bandwidth; the kernel took 0.75x its time at 8 and 16 rows on one
 thread (docs/performance.md). `SPMD_ENGINE_CPU_FP32_GEMM` chooses as the bf16 variable does.
 
 A packed weight is a plain tensor of shape [N / 16, K / 2, 16, 2] (bf16) or [N / 16, K, 16, 1]
@@ -42,9 +43,10 @@ from spmd_engine.model.layers import native
 logger = logging.getLogger("spmd_engine")
 
 SOURCE = Path(__file__).resolve().parent / "kernels" / "vnni_gemm.cpp"
-# Each as torch's cpuinfo names it and as /proc/cpuinfo does (loader.cpu_flags reads either).
-NEEDED_FLAGS = (("avx512_f", "avx512f"), ("avx512_bw", "avx512bw"), ("avx512_vl", "avx512vl"),
-                ("avx512_bf16", "avx512_bf16"))
+# Each as torch's cpuinfo names it and as /proc/cpuinfo does (loader.cpu_flags reads either):
+# what any path needs, and what the bf16 paths need besides.
+NEEDED_FLAGS = (("avx512_f", "avx512f"), ("avx512_bw", "avx512bw"), ("avx512_vl", "avx512vl"))
+BF16_FLAGS = (("avx512_bf16", "avx512_bf16"),)
 
 
 def _per_line(dtype: torch.dtype) -> int:
@@ -99,7 +101,7 @@ def wanted(dtype: torch.dtype = torch.bfloat16) -> bool:
     variable, choice = (envs.CPU_FP32_GEMM, envs.cpu_fp32_gemm()) if fp32 else (envs.CPU_BF16_GEMM, envs.cpu_bf16_gemm())
     if choice == "onednn":
         return False
-    reason = unavailable()
+    reason = unavailable(dtype)
     if reason is None:
         if fp32:
             _announce_fp32()
@@ -143,29 +145,36 @@ def _announce_fp32() -> None:
 
 def _tiles_tried() -> bool:
     """Whether the AMX path exists here (built for a CPU with AMX, the OS grants the tile
-    state) and passed the trial; unavailable() runs the trial on both paths."""
+    state) and passed the trial; unavailable(bf16) runs the trial on both paths."""
     return unavailable() is None and _Tiles.tried
 
 
 @functools.lru_cache(maxsize=None)
-def unavailable() -> str | None:
-    """Why the kernel cannot be used here, or None once it is loaded and its trial agrees."""
+def unavailable(dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """Why the kernel cannot take `dtype`'s weights here, or None once it is loaded and its
+    trial for them agrees. fp32 needs AVX-512 F, BW and VL; bf16 AVX512-BF16 as well (a CPU with
+    AVX-512 but without it, Skylake to Ice Lake, gets the fp32 path only)."""
     from spmd_engine.model.loader import cpu_flags
     flags = cpu_flags()
-    missing = [names[0] for names in NEEDED_FLAGS if not flags.intersection(names)]
+    needed = NEEDED_FLAGS + (() if dtype == torch.float32 else BF16_FLAGS)
+    missing = [names[0] for names in needed if not flags.intersection(names)]
     if missing:
         return f"this CPU lacks {', '.join(missing)}"
-    return native.unavailable(_load_and_try)
+    return native.unavailable(functools.partial(_load_and_try, dtype))
 
 
-def _load_and_try() -> str | None:
-    """Load the library and try both paths (the AMX one where this build and OS have it)."""
+def _load_and_try(dtype: torch.dtype) -> str | None:
+    """Load the library and try its paths for `dtype` (for bf16 the AMX one too, where this
+    build and OS have it)."""
     native.load(SOURCE, {"spmd_vnni_gemm::linear": _fake})
+    if dtype == torch.float32:  # one path, no tiles
+        return _trial_disagrees((torch.float32,))
+    if not torch.ops.spmd_vnni_gemm.has_bf16():
+        return "the library was built without AVX512-BF16"
     for tiles in (False, True):
         if _use_tiles(tiles) != tiles:
             break  # no AMX in this build or from this OS: the AVX-512 path only
-        # The fp32 path has no tiles: tried once, with the AVX-512 one.
-        disagrees = _trial_disagrees((torch.bfloat16,) if tiles else (torch.bfloat16, torch.float32))
+        disagrees = _trial_disagrees((torch.bfloat16,))
         if disagrees:
             _use_tiles(False)
             return disagrees + (" on its AMX path" if tiles else "")

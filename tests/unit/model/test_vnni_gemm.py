@@ -6,18 +6,24 @@ every tile path (groups of 1-4 column blocks, 6-row tiles, 1-5 row tails, bias);
 do not depend on the rows beside it; a model packed for it gives oneDNN's logits and follows
 every weight update; where it cannot be built or disagrees, weights stay with oneDNN, unless
 SPMD_ENGINE_CPU_BF16_GEMM=vnni asks for it, which is then an error saying why. The kernel's
-tests skip on CPUs without AVX512-BF16 (or without g++); the fallback's run everywhere.
+tests skip on CPUs without AVX512-BF16 (or without g++); the fallback's run everywhere. A CPU
+with AVX-512 but without BF16 gets the fp32 path alone (a build for one, made here).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from fake_groups import SoloGroup
+from launch import REPO
 from model_helpers import LLAMA, QWEN_TIED, make_random_checkpoint, run_schedule
 
 from spmd_engine import envs
@@ -228,7 +234,8 @@ def test_a_kernel_that_fails_to_build_or_disagrees_leaves_weights_to_onednn(tmp_
     if shutil.which("g++") is None:
         pytest.skip("no g++ to fail a build with")
     from spmd_engine.model import loader
-    monkeypatch.setattr(loader, "cpu_flags", lambda: frozenset(f for names in vnni_gemm.NEEDED_FLAGS for f in names))
+    monkeypatch.setattr(loader, "cpu_flags", lambda: frozenset(
+        f for names in vnni_gemm.NEEDED_FLAGS + vnni_gemm.BF16_FLAGS for f in names))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
     broken = tmp_path / "broken.cpp"
     broken.write_text("this is not C++\n")
@@ -284,8 +291,57 @@ def test_the_kernel_is_used_wherever_the_cpu_has_the_instructions_and_g_plus_plu
     from spmd_engine.model.loader import cpu_flags
     flags = cpu_flags()
     if not all(flags.intersection(names) for names in vnni_gemm.NEEDED_FLAGS) or shutil.which("g++") is None:
-        pytest.skip("no AVX512-BF16 or no g++ here: the kernel is not expected")
-    assert REASON is None
+        pytest.skip("no AVX-512 or no g++ here: the kernel is not expected")
+    assert vnni_gemm.unavailable(torch.float32) is None
+    if all(flags.intersection(names) for names in vnni_gemm.BF16_FLAGS):
+        assert REASON is None
+
+
+_NO_BF16 = """
+import json, sys, torch
+from spmd_engine.model import loader
+from spmd_engine.model.layers import native, vnni_gemm, packed_weights
+flags = loader.cpu_flags() - {"avx512_bf16", "amx_bf16", "amx_tile"}
+loader.cpu_flags = lambda: flags
+w, x = torch.randn(48, 40, dtype=torch.float64), torch.randn(7, 40, dtype=torch.float64)
+out = {"bf16": vnni_gemm.unavailable(torch.bfloat16), "fp32": vnni_gemm.unavailable(torch.float32),
+       "options": native._not_on_this_cpu()}
+if out["fp32"] is not None:  # the build failed: nothing more to ask
+    print(json.dumps(out))
+    sys.exit(0)
+out.update({"has_bf16": bool(torch.ops.spmd_vnni_gemm.has_bf16()),
+       "wanted": [vnni_gemm.wanted(torch.float32), vnni_gemm.wanted(torch.bfloat16)],
+       "layouts": [packed_weights._layout_for(w.float(), batch_invariant=False),
+                   packed_weights._layout_for(w.bfloat16(), batch_invariant=False)],
+       "max_error": (vnni_gemm.linear(x.float(), vnni_gemm.pack(w.float())).double() - x @ w.T).abs().max().item()})
+try:
+    vnni_gemm.linear(x.bfloat16(), torch.zeros(3, 20, 16, 2, dtype=torch.bfloat16))
+except RuntimeError as exc:
+    out["bf16_call"] = str(exc).splitlines()[0]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_cpu_with_avx512_but_not_bf16_gets_the_fp32_path(tmp_path):
+    """Skylake to Ice Lake: AVX-512 F, BW and VL without AVX512-BF16. The library is built as
+    for such a CPU (the engine's flags without avx512_bf16 and AMX: -mno-avx512bf16 and the AMX
+    options, in a process of its own, since one process holds one build of the library): fp32
+    weights take the kernel and match an fp64 matmul, bf16 ones stay with oneDNN, and a bf16
+    call into that build is a clear error."""
+    from spmd_engine.model.loader import cpu_flags
+    if not all(cpu_flags().intersection(names) for names in vnni_gemm.NEEDED_FLAGS) or shutil.which("g++") is None:
+        pytest.skip("no AVX-512 or no g++ here")
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-c", _NO_BF16], env=env, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["options"] == ["-mno-avx512bf16", "-mno-amx-tile", "-mno-amx-bf16"]
+    assert got["bf16"] == "this CPU lacks avx512_bf16" and got["fp32"] is None, got
+    assert got["has_bf16"] is False and got["wanted"] == [True, False], got
+    assert got["layouts"] == ["vnni", "onednn"], got
+    assert got["max_error"] < 1e-4, got
+    assert "bf16 weights need a build for a CPU with AVX512-BF16" in got["bf16_call"], got
 
 
 @pytest.fixture(params=[1, 2], ids=["1_thread", "2_threads"])

@@ -23,6 +23,10 @@
 // bandwidth; here each 6-row by 4-block tile does 24 FMAs per 4 lines, and the first tile of a
 // block group (the one that brings the weight in from memory) prefetches its streams ahead, so
 // the later tiles find the group (K x 256 bytes) in L2. Each row still sums k in order, alone.
+//
+// The fp32 path needs AVX-512 F only, so a build for a CPU without AVX512-BF16 (-march=native
+// leaves __AVX512BF16__ undefined; native.py also passes -mno-avx512bf16 when the engine finds no
+// such flag) keeps it and drops the bf16 paths: has_bf16() says which, and a bf16 call is an error.
 #include <immintrin.h>
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -49,17 +53,20 @@ struct Output {
 };
 using Out = Output<uint16_t>;
 
+#if defined(__AVX512BF16__)
 // out[row, col:col+16] = bf16(v + bias[col:col+16]): one rounding, after the whole sum.
 inline void store16(const Out& o, int64_t row, int64_t col, __m512 v) {
   if (o.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(o.bias + col));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.data + row * o.ld + col), (__m256i)_mm512_cvtneps_pbh(v));
 }
+#endif
 
 inline void store16(const Output<float>& o, int64_t row, int64_t col, __m512 v) {
   if (o.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(o.bias + col));
   _mm512_storeu_ps(o.data + row * o.ld + col, v);
 }
 
+#if defined(__AVX512BF16__)
 template <int MB, int NB>
 inline void tile(const uint16_t* x, int64_t K, const uint16_t* wb, const Out& o, int64_t row, int64_t col) {
   __m512 acc[MB][NB];
@@ -94,6 +101,7 @@ inline void rows(int64_t M, const uint16_t* x, int64_t K, const uint16_t* wb, co
     default: return tile<5, NB>(xm, K, wb, o, m, col);
   }
 }
+#endif  // __AVX512BF16__
 
 namespace f32 {
 
@@ -148,7 +156,7 @@ inline void rows(int64_t M, const float* x, int64_t K, const float* wb, const Ou
 
 bool g_use_amx = false;  // set once by use_amx(); only K % 32 == 0 weights take the tile path
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 namespace amx {
 
 constexpr int kMaxRows = 16;  // rows of an A and a C tile
@@ -337,6 +345,7 @@ void compute(const at::Tensor& x, const at::Tensor& packed, const std::optional<
     }, after);
     return;
   }
+#if defined(__AVX512BF16__)
   const Out o{reinterpret_cast<uint16_t*>(out.data_ptr()), N, b32};
   const uint16_t* xd = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const uint16_t* wd = reinterpret_cast<const uint16_t*>(packed.data_ptr());
@@ -361,6 +370,17 @@ void compute(const at::Tensor& x, const at::Tensor& packed, const std::optional<
       default: return rows<1>(M, xd, K, wb, o, b * 16);
     }
   }, after);
+#else
+  TORCH_CHECK(false, "vnni linear: bf16 weights need a build for a CPU with AVX512-BF16 (this one has fp32 only)");
+#endif
+}
+
+bool has_bf16() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
@@ -484,6 +504,7 @@ TORCH_LIBRARY(spmd_vnni_gemm, m) {
   // Whether weights with K % 32 == 0 take the AMX path from now on: asks the OS for the tile
   // state once; false where the build has no AMX or the OS refuses.
   m.def("use_amx(bool enable) -> bool", use_amx);
+  m.def("has_bf16() -> bool", has_bf16);  // whether this build has the bf16 paths (else fp32 only)
 }
 
 TORCH_LIBRARY_IMPL(spmd_vnni_gemm, CPU, m) {
