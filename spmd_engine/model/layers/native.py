@@ -63,18 +63,25 @@ def built(source: Path) -> Path:
     return path
 
 
-# Instruction sets a source may test for (#if defined(__AVX512BF16__)), as torch's cpuinfo names
-# them, with the g++ option that turns each off.
-_OPTIONAL = (("avx512_bf16", "-mno-avx512bf16"), ("amx_tile", "-mno-amx-tile"), ("amx_bf16", "-mno-amx-bf16"))
+# Instruction sets a source may test for (#if defined(__AVX512BF16__)): torch's cpuinfo name,
+# the macro g++ defines when it targets the set, and the option that turns it off.
+_OPTIONAL = (("avx512_bf16", "__AVX512BF16__", "-mno-avx512bf16"), ("amx_tile", "__AMX_TILE__", "-mno-amx-tile"),
+             ("amx_bf16", "__AMX_BF16__", "-mno-amx-bf16"))
 
 
 def _not_on_this_cpu() -> list[str]:
-    """-mno-X for each optional instruction set the engine finds no flag for: -march=native
-    leaves them out already on such a CPU; saying so builds what the engine will expect (and
-    lets a test build the library of a CPU without them)."""
+    """-mno-X for each optional instruction set that -march=native targets but the engine finds
+    no flag for: the build then has what the engine will expect (and a test can build the
+    library of a CPU without them). Usually none: -march=native leaves out what the CPU lacks,
+    and a g++ too old to know a set neither defines its macro nor takes its option."""
     from spmd_engine.model.loader import cpu_flags
     flags = cpu_flags()
-    return [option for flag, option in _OPTIONAL if flag not in flags]
+    wanted = [(macro, option) for flag, macro, option in _OPTIONAL if flag not in flags]
+    if not wanted:
+        return []
+    native = subprocess.run(["g++", "-march=native", "-dM", "-E", "-x", "c++", "-"], input="",
+                            capture_output=True, text=True, check=True).stdout
+    return [option for macro, option in wanted if f"#define {macro} " in native]
 
 
 def _compile(source: Path, path: Path) -> None:

@@ -336,7 +336,9 @@ def test_a_cpu_with_avx512_but_not_bf16_gets_the_fp32_path(tmp_path):
     proc = subprocess.run([sys.executable, "-c", _NO_BF16], env=env, capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got["options"] == ["-mno-avx512bf16", "-mno-amx-tile", "-mno-amx-bf16"]
+    # Those -march=native would have turned on here (on a CPU without BF16, none: has_bf16 below
+    # is then false anyway, and on one with it, only because the option was passed).
+    assert set(got["options"]) <= {"-mno-avx512bf16", "-mno-amx-tile", "-mno-amx-bf16"}, got
     assert got["bf16"] == "this CPU lacks avx512_bf16" and got["fp32"] is None, got
     assert got["has_bf16"] is False and got["wanted"] == [True, False], got
     assert got["layouts"] == ["vnni", "onednn"], got
