@@ -168,13 +168,13 @@ def _load_and_try(dtype: torch.dtype) -> str | None:
     build and OS have it)."""
     native.load(SOURCE, {"spmd_vnni_gemm::linear": _fake})
     if dtype == torch.float32:  # one path, no tiles
-        return _trial_disagrees((torch.float32,))
+        return _trial_disagrees(torch.float32)
     if not torch.ops.spmd_vnni_gemm.has_bf16():
         return "the library was built without AVX512-BF16"
     for tiles in (False, True):
         if _use_tiles(tiles) != tiles:
             break  # no AMX in this build or from this OS: the AVX-512 path only
-        disagrees = _trial_disagrees((torch.bfloat16,))
+        disagrees = _trial_disagrees(torch.bfloat16)
         if disagrees:
             _use_tiles(False)
             return disagrees + (" on its AMX path" if tiles else "")
@@ -187,21 +187,20 @@ def _fake(x, packed, bias):
     return x.new_empty(x.shape[0], packed.shape[0] * 16)
 
 
-def _trial_disagrees(dtypes: tuple[torch.dtype, ...]) -> str | None:
+def _trial_disagrees(dtype: torch.dtype) -> str | None:
     """The kernel's code paths (groups of 1-4 blocks, 6-row tiles and shorter tails, bias; on
     the AMX path, K % 32 == 0: one and two blocks, up to 16 rows, an overlapping last chunk,
     chunks in pairs from 32 rows; the fp32 path's same tiles)
     against an fp32 matmul of the same values."""
     gen = torch.Generator().manual_seed(0)
-    for dtype in dtypes:
-        tol = 1e-2 if dtype == torch.bfloat16 else 1e-4
-        for n, k, m, with_bias in ((48, 40, 11, True), (32, 64, 8, False), (16, 6, 1, True), (64, 128, 19, False),
-                                   (48, 96, 16, True), (16, 32, 1, False), (48, 64, 37, True)):
-            w = torch.randn(n, k, generator=gen).to(dtype)
-            x = torch.randn(m, k, generator=gen).to(dtype)
-            b = torch.randn(n, generator=gen).to(dtype) if with_bias else None
-            got = linear(x, pack(w), b).float()
-            want = F.linear(x.float(), w.float(), None if b is None else b.float())
-            if not torch.allclose(got, want, rtol=tol, atol=tol) or not torch.equal(unpack(pack(w)), w):
-                return f"its trial {dtype} matmul disagrees with F.linear ({n}x{k}, {m} rows)"
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-4
+    for n, k, m, with_bias in ((48, 40, 11, True), (32, 64, 8, False), (16, 6, 1, True), (64, 128, 19, False),
+                               (48, 96, 16, True), (16, 32, 1, False), (48, 64, 37, True)):
+        w = torch.randn(n, k, generator=gen).to(dtype)
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        b = torch.randn(n, generator=gen).to(dtype) if with_bias else None
+        got = linear(x, pack(w), b).float()
+        want = F.linear(x.float(), w.float(), None if b is None else b.float())
+        if not torch.allclose(got, want, rtol=tol, atol=tol) or not torch.equal(unpack(pack(w)), w):
+            return f"its trial {dtype} matmul disagrees with F.linear ({n}x{k}, {m} rows)"
     return None
