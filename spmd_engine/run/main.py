@@ -25,6 +25,7 @@ from spmd_engine.run.cli_args import (
     check_cache_args,
     seconds,
 )
+from spmd_engine.run.error_file import AtomicErrorHandler, record_for_torchrun
 from spmd_engine.run.jobs import check_launched_world, prompts_to_do, run_launched, run_local
 from spmd_engine.run.prompts import load_prompts, read_chat_template
 from spmd_engine.run.records import PromptJob, print_records
@@ -158,17 +159,6 @@ def _let_rank0_report_first() -> None:
         time.sleep(0.1)
 
 
-def _record_for_torchrun(exc: BaseException) -> None:
-    """Write torchrun's error file, so its summary names this rank's root cause."""
-    if "TORCHELASTIC_ERROR_FILE" not in os.environ:
-        return
-    try:
-        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-        ErrorHandler().record_exception(exc)
-    except Exception:  # the error line above already went out; never mask it
-        pass
-
-
 def _exit_on_sigterm() -> None:
     """SIGTERM unwinds like SIGINT, so `finally` blocks stop workers and free shared memory."""
     def handler(signum, frame):
@@ -211,7 +201,7 @@ def execute(args, load_job) -> int:
         return 130
     except Exception as exc:  # runtime failure: one line per rank that saw it
         report(f"error: [rank {launched_rank()}] {type(exc).__name__}: {exc}")
-        _record_for_torchrun(exc)
+        record_for_torchrun(exc)
         return EXIT_RUNTIME
     if records is not None:
         print_records(records)
@@ -226,4 +216,4 @@ def entry(main_function=None) -> None:
         from torch.distributed.elastic.multiprocessing.errors import record
     except ImportError:  # pragma: no cover
         sys.exit(main_function())
-    sys.exit(record(main_function)())
+    sys.exit(record(main_function, error_handler=AtomicErrorHandler())())
