@@ -48,7 +48,10 @@ class KVCacheManager:
         if not self.enable_caching:
             return []
         hits = []
-        for h in self._hashes(request, (request.num_tokens - 1) // self.block_size):
+        usable = (request.num_tokens - 1) // self.block_size
+        # [:usable]: a request preempted while its step was in flight (PP, async scheduling) comes
+        # back with that step's token dropped, and may hold the hash of a block its tokens fill.
+        for h in self._hashes(request, usable)[:usable]:
             block = self.pool.lookup(h)
             if block is None:
                 break

@@ -126,6 +126,18 @@ def test_prefix_hits_stop_short_of_the_last_token_and_follow_the_chain():
     assert kv.get_computed_blocks(d) == kv.blocks_of("a")[:1]
 
 
+def test_a_request_preempted_in_flight_never_hits_its_whole_self():
+    """Its prompt fills its blocks and was computed (so the last block is hashed), then it was
+    preempted before the token that step sampled came back: it must still compute its last
+    token. (Seen under async scheduling: an empty step, and the engine died.)"""
+    kv = KVCacheManager(16, 4)
+    a = make("a", prompt_len=8)
+    kv.allocate_slots(a, 8)
+    assert len(a.block_hashes) == 2
+    kv.free(a)
+    assert len(kv.get_computed_blocks(a)) == 1
+
+
 def test_prefix_hits_share_blocks_by_reference_and_survive_the_first_owner():
     kv = KVCacheManager(16, 4)
     a = make("a", prompt_len=9)
