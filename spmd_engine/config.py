@@ -226,6 +226,8 @@ class SchedulerConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 4096
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
+    # vLLM's async_scheduling: step k+1 is scheduled and sent while step k runs (core/scheduler.py)
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         _check_positive("max_num_seqs", self.max_num_seqs)

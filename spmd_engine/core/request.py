@@ -38,6 +38,9 @@ class Request:
     prompt_logprobs: list[dict[int, tuple[float, int]]] | None = None  # prompt tokens 1..P-1
     sampling_masks: list | None = None  # per output token, the ids it could have been drawn from
     num_preemptions: int = 0
+    # Tokens that steps in flight will sample (async scheduling): already fed to a later step
+    # as PLACEHOLDER_TOKEN_ID, appended when their step returns.
+    num_output_placeholders: int = 0
     # Prompt tokens found in the prefix cache when first scheduled (vLLM's num_cached_tokens); -1 before.
     num_cached_tokens: int = -1
     # time.time() stamps for metrics only (nothing decides by them; the scheduler reads no clock):

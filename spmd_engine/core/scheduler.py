@@ -17,6 +17,17 @@ each at most ceil(unfinished / in-flight limit) of them, and the stages
 overlap. A request preempted while its step is in flight has that step's token
 discarded when it comes back (it will be recomputed).
 
+With async scheduling (vLLM's `async_scheduling`) the engine keeps two steps in
+flight on any layout without PP: step k+1 is scheduled while step k runs, so the
+host's scheduling and output processing overlap the forward. A request whose
+step in flight samples is scheduled again at once, one token ahead: its input is
+PLACEHOLDER_TOKEN_ID, which the runner replaces with the token it sampled for
+that request in step k. It is not scheduled ahead when that token may be its
+last by length (max_tokens, max_model_len); one that step k ends (EOS, a stop
+token or string, an abort) has its step k+1 token dropped, and its freed blocks
+are only written by later steps, which the workers run in order. Which tokens a
+request gets is unchanged; only which step admits a waiting request can move.
+
 Every rank of a replica under external_launcher runs its own copy of this
 scheduler, so it decides the same batches from the same inputs: no clocks,
 no hash-order iteration, sha256 block hashes.
@@ -30,7 +41,13 @@ from typing import Sequence
 from spmd_engine.config import SchedulerConfig
 from spmd_engine.core.kv_cache_manager import KVCacheManager
 from spmd_engine.core.request import Request
-from spmd_engine.core.step_messages import ModelRunnerOutput, NewRequestData, ScheduledSeq, SchedulerOutput
+from spmd_engine.core.step_messages import (
+    PLACEHOLDER_TOKEN_ID,
+    ModelRunnerOutput,
+    NewRequestData,
+    ScheduledSeq,
+    SchedulerOutput,
+)
 
 
 class Scheduler:
@@ -69,17 +86,18 @@ class Scheduler:
         finished, self._finished_since_last_step = self._finished_since_last_step, []
         self._step += 1
         budget = self.config.max_num_batched_tokens
-        max_seqs = -(-(len(self.running) + len(self.waiting)) // max_in_flight)
+        split = 1 if self.config.async_scheduling else max_in_flight  # PP's steps hold disjoint requests
+        max_seqs = -(-(len(self.running) + len(self.waiting)) // split)
         seqs: list[ScheduledSeq] = []
         new: list[NewRequestData] = []
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0 and len(seqs) < max_seqs:
             request = self.running[i]
-            if request.num_tokens == request.num_computed_tokens:  # its step is in flight
+            n = min(self._tokens_to_compute(request), budget)
+            if n == 0:  # its step is in flight
                 i += 1
                 continue
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
             added = self.kv.allocate_slots(request, n)
             while added is None:
                 victim = self.running.pop()
@@ -107,6 +125,18 @@ class Scheduler:
         self.stats["steps"] += 1
         self.stats["peak_running"] = max(self.stats["peak_running"], len(self.running))
         return SchedulerOutput(self._step, seqs, new, finished)
+
+    def _tokens_to_compute(self, request: Request) -> int:
+        """The known tokens not yet computed; under async scheduling, when there are none, the
+        one its step in flight samples (never one that may end it by length)."""
+        known = request.num_tokens - request.num_computed_tokens
+        if known or not request.num_output_placeholders:
+            return known
+        ahead = request.num_tokens + request.num_output_placeholders
+        if (len(request.output_token_ids) + request.num_output_placeholders >= request.params.max_tokens
+                or ahead >= self.config.max_model_len):
+            return 0
+        return ahead - request.num_computed_tokens
 
     def _admit(self, budget: int, seqs: list[ScheduledSeq], new: list[NewRequestData], max_seqs: int) -> int:
         """Waiting requests in order, while the budget, max_num_seqs and free blocks allow."""
@@ -147,18 +177,23 @@ class Scheduler:
                               list(request.prompt_token_ids) if needs_prompt else None)
 
     def _scheduled(self, request: Request, n: int, added: list[int], new_block_table: bool) -> ScheduledSeq:
-        start = request.num_computed_tokens
+        start, known = request.num_computed_tokens, request.num_tokens
         request.num_computed_tokens = start + n  # counted now, as vLLM: the step is in flight
-        sample = start + n == request.num_tokens
+        sample = start + n == known + request.num_output_placeholders
         if sample:
             self._awaiting[(self._step, request.request_id)] = request.num_preemptions
-        return ScheduledSeq(request.request_id, request.token_slice(start, start + n), start, added,
-                            new_block_table, sample=sample)
+            if self.config.async_scheduling:
+                request.num_output_placeholders += 1
+        token_ids = request.token_slice(start, min(start + n, known))
+        if start + n > known:  # tokens steps in flight are sampling
+            token_ids = token_ids + [PLACEHOLDER_TOKEN_ID] * (start + n - max(start, known))
+        return ScheduledSeq(request.request_id, token_ids, start, added, new_block_table, sample=sample)
 
     def _preempt(self, request: Request) -> None:
         """Recompute-style preemption: free everything, requeue at the front."""
         self.kv.free(request)
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0  # the tokens in flight are dropped when they return
         request.num_preemptions += 1
         self.stats["preemptions"] += 1
         self.waiting.appendleft(request)
@@ -186,6 +221,8 @@ class Scheduler:
             request, epoch = by_id.get(rid), self._awaiting.pop((out.step, rid))
             if request is None or request.num_preemptions != epoch:
                 continue  # preempted while this step was in flight: it is being recomputed
+            if request.num_output_placeholders:
+                request.num_output_placeholders -= 1
             request.output_token_ids.append(int(token))
             if model_output.logprobs is not None and model_output.logprobs[i] is not None:
                 request.logprobs = request.logprobs or []

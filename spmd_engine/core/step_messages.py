@@ -32,6 +32,9 @@ class NewRequestData:
     prompt_token_ids: list[int] | None = None
 
 
+PLACEHOLDER_TOKEN_ID = -1  # not a vocabulary id: an embedding lookup of it fails loudly
+
+
 @dataclass
 class ScheduledSeq:
     """One request's share of a step.
@@ -42,7 +45,10 @@ class ScheduledSeq:
     `block_ids` extend the request's block table, or replace it when
     `new_block_table` (first schedule, or resumed after preemption). `sample`:
     this step reaches the end of the known tokens, so a new token is sampled;
-    a prompt chunk that does not finish its prompt samples nothing.
+    a prompt chunk that does not finish its prompt samples nothing. Under async
+    scheduling a token id may be PLACEHOLDER_TOKEN_ID: the token the previous step
+    (still in flight when this one was scheduled) sampled for this request, which
+    the runner fills in from its own sampler.
     """
 
     request_id: str

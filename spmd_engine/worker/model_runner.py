@@ -19,7 +19,12 @@ from collections import Counter
 import torch
 
 from spmd_engine.config import EngineConfig
-from spmd_engine.core.step_messages import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, SchedulerOutput
+from spmd_engine.core.step_messages import (
+    EMPTY_MODEL_RUNNER_OUTPUT,
+    PLACEHOLDER_TOKEN_ID,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from spmd_engine.sample.sampler import Sampler, SamplerOutput, logprob_entries
 from spmd_engine.worker import kv_sizing
 
@@ -42,6 +47,10 @@ class ModelRunner:
         self.num_blocks = 0
         self.block_tables: dict[str, list[int]] = {}
         self.prompt_lens: dict[str, int] = {}
+        # Async scheduling: each request's last sampled token, the input a step scheduled while
+        # that token's step was in flight asks for (PLACEHOLDER_TOKEN_ID).
+        self.async_scheduling = config.scheduler_config.async_scheduling
+        self.last_sampled: dict[str, int] = {}
         # (sampling request ids, on the last stage (logits, output indices) or the greedy tokens
         # themselves, prompt logprobs)
         self._pending: tuple[list[str], tuple | torch.Tensor | None, dict | None] | None = None
@@ -165,6 +174,7 @@ class ModelRunner:
         self.release_kv_cache()
         self.block_tables.clear()
         self.prompt_lens.clear()
+        self.last_sampled.clear()
         if level == 2:
             self.model.discard_weights()
         elif self.device.type != "cpu":
@@ -189,6 +199,7 @@ class ModelRunner:
             self.sampler.remove_request(rid)
             self.block_tables.pop(rid, None)
             self.prompt_lens.pop(rid, None)
+            self.last_sampled.pop(rid, None)
         for new in out.new_requests:
             self.sampler.add_request(new.request_id, new.params, new.seed, new.stop_ids, new.prompt_token_ids)
             self.prompt_lens[new.request_id] = new.num_prompt_tokens
@@ -196,6 +207,8 @@ class ModelRunner:
             if self.config.dp_waves:  # the other replicas run a forward this step: match it
                 self.execute_dummy_batch()
             return EMPTY_MODEL_RUNNER_OUTPUT
+        if self.async_scheduling:
+            self._fill_placeholders(out)
         input_ids, positions, attn, sample_index = self._prepare_inputs(out)
         intermediate = None
         if not self.pp_group.is_first_rank:
@@ -235,6 +248,18 @@ class ModelRunner:
             self._pending_routing = self.routing.record(out.seqs, attn.row_start, attn.slot_mapping,
                                                         hidden["routed_experts"], self.block_tables)
         return None
+
+    def _fill_placeholders(self, out: SchedulerOutput) -> None:
+        """The tokens the previous step sampled, where this step was scheduled before they were
+        known. Filled into the message itself: the penalties' history reads it too."""
+        for s in out.seqs:
+            if s.token_ids and s.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
+                try:
+                    token = self.last_sampled[s.request_id]
+                except KeyError:
+                    raise RuntimeError(f"step {out.step}: request {s.request_id!r} asks for the token it "
+                                       f"sampled last, and this rank sampled none for it") from None
+                s.token_ids = [token if t == PLACEHOLDER_TOKEN_ID else t for t in s.token_ids]
 
     def _prompt_logprobs(self, out: SchedulerOutput, attn, hidden: torch.Tensor) -> dict | None:
         """Logprobs of the prompt tokens this step's rows predict, for requests that asked: the
@@ -371,6 +396,8 @@ class ModelRunner:
                 sampled = self.sampler.sample(request_ids, *head)
             result = ModelRunnerOutput(request_ids, sampled.token_ids, sampled.logprobs, prompt_logprobs,
                                        sampled.sampling_masks)
+            if self.async_scheduling:
+                self.last_sampled.update(zip(request_ids, map(int, sampled.token_ids)))
             result.routed_experts, self._pending_routing = self._pending_routing, None
         if self.broadcast_sampled_tokens and self.pp_group.world_size > 1:
             result = self.pp_group.broadcast_object(result, src=self.pp_group.world_size - 1)
