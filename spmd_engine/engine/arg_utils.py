@@ -58,6 +58,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    async_scheduling: bool = False
     load_format: str = "auto"
     logprobs_mode: str = "raw_logprobs"
     enable_return_routed_experts: bool = False
@@ -113,7 +114,9 @@ class EngineArgs:
                             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                             enable_prefix_caching=self.enable_prefix_caching)
         scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                                    enable_chunked_prefill=self.enable_chunked_prefill)
+                                    enable_chunked_prefill=self.enable_chunked_prefill,
+                                    async_scheduling=bool(self.async_scheduling))
+        check_async_scheduling(scheduler, parallel)
         try:
             scheduler.resolve(inputs.max_model_len, block_size)
         except ConfigError as exc:
@@ -146,6 +149,17 @@ class EngineSetup:
     config: EngineConfig
     inputs: "InputProcessor"  # noqa: F821 (imported lazily: it reads tokenizers)
     spec: "ModelSpec"  # noqa: F821
+
+
+def check_async_scheduling(scheduler: SchedulerConfig, parallel: ParallelConfig) -> None:
+    """Async scheduling schedules a request's next step while its last one runs, which needs
+    the sampled token on the rank that runs the next step's first layer: with PP that is
+    another stage (and PP's batch queue already keeps its stages busy)."""
+    if scheduler.async_scheduling and parallel.pipeline_parallel_size > 1:
+        exc = ConfigError(f"async scheduling is not supported with pipeline parallelism (pipeline_parallel_size="
+                          f"{parallel.pipeline_parallel_size}): PP keeps one step per stage in flight already")
+        exc.flag = "--async-scheduling"
+        raise exc
 
 
 def resolve_compilation(enforce_eager: bool | None, compilation_config, model_config: ModelConfig, spec,

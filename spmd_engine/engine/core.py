@@ -45,6 +45,8 @@ class EngineCore:
         self._last_step = None  # (SchedulerOutput, ModelRunnerOutput) of the last step applied
         self._batch_queue: deque = deque()  # (SchedulerOutput, its result) of steps in flight
         self._peak_in_flight = 0
+        if config.scheduler_config.async_scheduling and self.dp_waves:
+            logger.info("async scheduling: off during DP waves (a wave step is one forward on every replica)")
 
     @property
     def vllm_config(self) -> EngineConfig:

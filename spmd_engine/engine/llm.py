@@ -38,7 +38,7 @@ class LLM:
                  nnodes: int = 1, block_size: int | None = 16, gpu_memory_utilization: float | None = 0.9,
                  kv_cache_memory_bytes: int | None = None, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
-                 load_format: str = "auto", enable_sleep_mode: bool = False,
+                 async_scheduling: bool = False, load_format: str = "auto", enable_sleep_mode: bool = False,
                  logprobs_mode: str = "raw_logprobs", enable_return_routed_experts: bool = False,
                  admission: str = "identical", batch_invariant: bool | None = None,
                  enforce_eager: bool | None = None, compilation_config=None, **vllm_kwargs):
@@ -55,7 +55,8 @@ class LLM:
         whatever the batch, cache and layout (README, batch-invariant mode).
         `enforce_eager` / `compilation_config` (vLLM's): by default the decoder layers run
         through torch.compile on CPU; enforce_eager=True, or compilation_config=0, keeps eager
-        (docs/running.md, compiled forward)."""
+        (docs/running.md, compiled forward). `async_scheduling` (vLLM's): the next step is
+        scheduled while one runs (any layout without PP; docs/running.md, async scheduling)."""
         accept_vllm_kwargs(vllm_kwargs)
         from spmd_engine.engine.admission import check_mode
         self._admission = check_mode(admission)
@@ -68,7 +69,8 @@ class LLM:
             pp_partition=pp_partition, device=device, timeout_s=timeout_s, nnodes=nnodes, block_size=block_size,
             gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_memory_bytes,
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
-            enable_chunked_prefill=enable_chunked_prefill, load_format=load_format,
+            enable_chunked_prefill=enable_chunked_prefill, async_scheduling=bool(async_scheduling),
+            load_format=load_format,
             logprobs_mode="raw_logprobs" if logprobs_mode is None else logprobs_mode,
             enable_return_routed_experts=enable_return_routed_experts, batch_invariant=batch_invariant,
             enforce_eager=enforce_eager, compilation_config=compilation_config)

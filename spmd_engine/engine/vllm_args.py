@@ -36,7 +36,7 @@ IGNORED_VLLM_ARGS = frozenset("""
     worker_cls worker_extension_cls kv_transfer_config kv_events_config
     generation_config override_generation_config model_impl calculate_kv_scales
     disable_cascade_attn cuda_graph_sizes long_prefill_token_threshold max_num_partial_prefills
-    max_long_partial_prefills async_scheduling structured_outputs_config reasoning_parser
+    max_long_partial_prefills structured_outputs_config reasoning_parser
     enable_eplb eplb_config num_redundant_experts all2all_backend enable_dbo data_parallel_rank
     data_parallel_size_local data_parallel_address data_parallel_rpc_port data_parallel_backend
     data_parallel_hybrid_lb data_parallel_external_lb pt_load_map_location use_tqdm_on_load

@@ -104,9 +104,15 @@ class Executor(ABC):
 
     @property
     def max_concurrent_batches(self) -> int:
-        """Steps the engine may have in flight at once (vLLM's batch queue): 1 unless the
-        executor can run pipeline stages on different steps at the same time."""
-        return 1
+        """Steps the engine may have in flight at once (vLLM's batch queue): 2 with async
+        scheduling (the next step is scheduled while one runs), else 1 unless the executor
+        can run pipeline stages on different steps at the same time."""
+        return 2 if self.config.scheduler_config.async_scheduling else 1
+
+    def wait_for_steps_in_flight(self) -> None:
+        """Return once no step is running, keeping their results for the engine to read: the
+        engine's own collectives (external_launcher's exchange between ranks) must not meet a
+        step's collectives on the same group. Here steps never outlive their call."""
 
     def execute_model_async(self, scheduler_output) -> Callable[[], Any]:
         """Start a step; the returned function gives its ModelRunnerOutput. Here the step

@@ -131,8 +131,9 @@ class MultiprocExecutor(Executor):
     def max_concurrent_batches(self) -> int:
         """vLLM's batch queue: with PP, one step per stage in flight, so the stages overlap.
         Each worker takes its messages in order, so stage 0 starts step k+1 while the
-        last stage still runs step k, and every stage sees the steps in the same order."""
-        return self.parallel_config.pipeline_parallel_size
+        last stage still runs step k, and every stage sees the steps in the same order. Async
+        scheduling keeps two in flight (the workers run step k while the engine schedules k+1)."""
+        return max(self.parallel_config.pipeline_parallel_size, super().max_concurrent_batches)
 
     def execute_model_async(self, scheduler_output) -> Callable[[], Any]:
         """Send the step and return at once; the function returned reads its reply (replies

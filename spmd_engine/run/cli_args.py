@@ -89,6 +89,8 @@ def add_cache_args(parser: argparse.ArgumentParser) -> None:
                             "else max(max_model_len, 2048))")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
+                       help="schedule the next step while one runs (vLLM's; not with PP)")
 
 
 def cache_kwargs_from_args(args: argparse.Namespace) -> dict:
@@ -96,7 +98,8 @@ def cache_kwargs_from_args(args: argparse.Namespace) -> dict:
                 kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=args.enable_prefix_caching,
-                enable_chunked_prefill=args.enable_chunked_prefill)
+                enable_chunked_prefill=args.enable_chunked_prefill,
+                async_scheduling=args.async_scheduling)
 
 
 def check_cache_args(args: argparse.Namespace) -> CacheConfig:

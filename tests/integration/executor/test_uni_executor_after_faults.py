@@ -1,0 +1,44 @@
+"""After a step raises in the engine's own process (uni), every later call is refused.
+
+The step stopped halfway: its KV writes, the sampler's streams and the runner's block
+tables are in an unknown state. Before, a later generate ran on that state (and died on a
+misleading "the KV cache is too small", or with async scheduling on a shape error from the
+step already queued behind the failed one). Now the executor fails as mp's does after a
+worker error, naming the step that raised; under async scheduling the queued step never
+runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from spmd_engine import LLM, SamplingParams
+from spmd_engine.engine.core_client import EngineDeadError
+
+
+def fail_the_fifth_step(worker):
+    runner = worker.model_runner
+    run = runner.execute_model
+    runner.steps_entered = 0
+
+    def execute_model(out):
+        runner.steps_entered += 1
+        if runner.steps_entered == 5:
+            raise RuntimeError("injected fault")
+        return run(out)
+    runner.execute_model = execute_model
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_step_that_raises_fails_every_later_call(async_scheduling):
+    with LLM(max_model_len=64, async_scheduling=async_scheduling) as llm:
+        llm.collective_rpc(fail_the_fifth_step)
+        with pytest.raises(EngineDeadError, match="injected fault"):
+            llm.generate(["Beautiful is"], SamplingParams(max_tokens=20))
+        entered = llm.llm_engine.model_executor.driver_worker.model_runner.steps_entered
+        assert entered == 5  # async: the step queued behind the failed one did not run
+        with pytest.raises(EngineDeadError, match=r"Executor failed. \(step 5 raised RuntimeError: injected fault\)"):
+            llm.generate(["Beautiful is"], SamplingParams(max_tokens=5))
+        with pytest.raises(RuntimeError, match="Executor failed"):
+            llm.collective_rpc("get_runner_stats")
