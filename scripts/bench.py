@@ -48,6 +48,9 @@ Figures
   compile    compiled forward (default) vs enforce_eager, same run: decode B=8, B=32 and a prefill
              batch, fp32 and bf16; first start's compile seconds (empty inductor cache); warm-cache
              start-up (fresh process, import + LLM()) vs eager start-up
+  async      async scheduling (step k+1 scheduled while step k runs) vs the same engine without, decode
+             tokens/s: uni bf16 at B=1 and 8 (the worker on a step thread) and mp TP=2 at B=8 (the
+             engine process schedules while its workers run), engines in turns; same tokens asserted
   decode_attention  decode steps' attention traced into the compiled graph vs the opaque paged
              attention op, one uni bf16 engine, B=8 and B=32, in turns
 """
@@ -78,7 +81,7 @@ from make_random_checkpoint import make_random_checkpoint  # noqa: E402
 
 FIGURES = ("rpc", "allreduce", "decode", "capacity", "prefix", "chunked", "tp", "tp4", "pp", "mixed", "startup", "load",
            "moe", "wave", "sampling", "batch_invariant", "compile",
-           "decode_attention", "cuda_graphs")
+           "decode_attention", "cuda_graphs", "async")
 LLAMA_SHAPE = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2, intermediate_size=1536,
                    vocab_size=32000, max_position_embeddings=8192)
 QWEN3_MOE_SHAPE = dict(architecture="Qwen3MoeForCausalLM", hidden_size=512, num_layers=8, num_heads=8,
@@ -1234,6 +1237,37 @@ def fig_cuda_graphs(args) -> None:
              ratio_is="value/baseline, higher is better")
 
 
+def fig_async(args) -> None:
+    """Decode tokens/s with async scheduling against the same engine without, engines built in
+    turns (one uni engine per process at a time); the greedy tokens must be equal."""
+    import torch
+
+    from spmd_engine import LLM, SamplingParams
+    model_dir = random_llama(args)
+    plen, new = 32, (16 if args.quick else 64)
+    cases = [("uni", 1, {}), ("uni", 8, {}), ("mp_tp2", 8, dict(tensor_parallel_size=2))]
+    for label, batch, layout in cases:
+        prompts = prompts_for(batch, plen, LLAMA_SHAPE["vocab_size"])
+        sp = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+        times: dict[bool, list[float]] = {False: [], True: []}
+        tokens = {}
+        for _ in range(args.reps):
+            for flag in (False, True):
+                with LLM(model=model_dir, dtype="bfloat16", max_model_len=plen + new + 8, max_num_seqs=batch,
+                         async_scheduling=flag, **layout) as llm:
+                    time_engine(llm, prompts, 4)
+                    times[flag].append(time_engine(llm, prompts, new))
+                    tokens[flag] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+                    peak = llm.get_stats()[0]["peak_in_flight"]
+                assert peak == (2 if flag else 1), peak
+        assert tokens[True] == tokens[False], "async scheduling changed the greedy tokens"
+        v, b = statistics.median(times[True]), statistics.median(times[False])
+        emit(f"async_scheduling_{label}_b{batch}_tokens_per_s", v, b, v / b, "tokens/s", batch=batch, prompt=plen,
+             new_tokens=new, dtype="bfloat16", reps=args.reps, threads=torch.get_num_threads(),
+             loadavg_1m=loadavg(), value_is="async_scheduling=True", baseline_is="async_scheduling=False",
+             ratio_is="value/baseline, higher is better")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default=",".join(FIGURES), help=f"comma-separated subset of {','.join(FIGURES)}")
@@ -1252,7 +1286,8 @@ def main() -> None:
              "prefix": fig_prefix, "chunked": fig_chunked, "tp": fig_tp,
              "tp4": lambda a: fig_tp(a, 4), "pp": fig_pp, "mixed": fig_mixed, "startup": fig_startup, "load": fig_load,
              "moe": fig_moe, "wave": fig_wave, "sampling": fig_sampling, "batch_invariant": fig_batch_invariant,
-             "compile": fig_compile, "decode_attention": fig_decode_attention, "cuda_graphs": fig_cuda_graphs}
+             "compile": fig_compile, "decode_attention": fig_decode_attention, "cuda_graphs": fig_cuda_graphs,
+             "async": fig_async}
     for name in FIGURES:
         if name in chosen:
             table[name](args)

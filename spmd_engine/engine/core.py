@@ -13,6 +13,7 @@ from spmd_engine.core.request import Request
 from spmd_engine.core.scheduler import Scheduler
 from spmd_engine.engine.core_client import EngineDeadError, FinishedCallback
 from spmd_engine.engine.metrics import LatencyHistogram
+from spmd_engine.engine.overlapped_steps import OverlappedSteps
 from spmd_engine.engine.stop_strings import StopStringWatcher
 from spmd_engine.executor.abstract import Executor
 from spmd_engine.worker import kv_sizing
@@ -45,8 +46,12 @@ class EngineCore:
         self._last_step = None  # (SchedulerOutput, ModelRunnerOutput) of the last step applied
         self._batch_queue: deque = deque()  # (SchedulerOutput, its result) of steps in flight
         self._peak_in_flight = 0
+        self._overlap = None  # async scheduling where the step runs in this thread
         if config.scheduler_config.async_scheduling and self.dp_waves:
             logger.info("async scheduling: off during DP waves (a wave step is one forward on every replica)")
+        elif config.scheduler_config.async_scheduling and self.executor.runs_steps_in_caller:
+            self._overlap = OverlappedSteps(self._schedule, self.scheduler.has_unfinished, self._update,
+                                            self._run_step_here)
 
     @property
     def vllm_config(self) -> EngineConfig:
@@ -74,7 +79,8 @@ class EngineCore:
         """This replica has requests to run. With DP waves (engine/dp_waves.py): whether any
         replica has, agreed over the DP group, so every replica must call it together."""
         if not self.dp_waves:
-            return self.scheduler.has_unfinished() or bool(self._batch_queue)
+            overlapped = self._overlap is not None and self._overlap.pending()
+            return self.scheduler.has_unfinished() or bool(self._batch_queue) or overlapped
         return self._wave_open()
 
     def get_num_unfinished_requests(self) -> int:
@@ -97,6 +103,8 @@ class EngineCore:
                 return []
         elif not self.has_unfinished_requests():
             return []
+        if self._overlap is not None:
+            return self._overlapped_step()
         if self.executor.max_concurrent_batches > 1 and not self.dp_waves:
             return self._step_with_batch_queue()  # (a wave step is exactly one forward: no queue)
         scheduler_output = self._schedule()
@@ -106,6 +114,23 @@ class EngineCore:
         except Exception as exc:
             raise EngineDeadError(f"engine failed while running step {scheduler_output.step}: {exc}") from exc
         return self._update(scheduler_output, model_output)
+
+    def _overlapped_step(self) -> list[Request]:
+        try:
+            progressed = self._overlap.step()
+        except EngineDeadError:
+            self._overlap.forget()
+            raise
+        if self._overlap.overlapped:
+            self._peak_in_flight = 2
+        return progressed
+
+    def _run_step_here(self, scheduler_output):
+        self._peak_in_flight = max(self._peak_in_flight, 1)
+        try:
+            return self.executor.execute_model_async(scheduler_output)()
+        except Exception as exc:
+            raise EngineDeadError(f"engine failed while running step {scheduler_output.step}: {exc}") from exc
 
     def _schedule(self, **in_flight):
         out = self.scheduler.schedule(**in_flight)
@@ -209,6 +234,12 @@ class EngineCore:
         """Wait for the steps in flight (PP's batch queue) and apply them: the requests that
         made progress. Afterwards nothing is in flight (pause_generation(mode="keep"))."""
         progressed = []
+        if self._overlap is not None:
+            try:
+                progressed += self._overlap.drain()
+            except EngineDeadError:
+                self._overlap.forget()
+                raise
         while self._batch_queue:
             progressed += self._take_oldest_in_flight()
         return progressed
@@ -235,6 +266,8 @@ class EngineCore:
         """Free the KV cache (and, by level, the weights) on every worker: only when no request
         holds a block. The prefix cache is forgotten (its blocks' contents are gone)."""
         unfinished = len(self.scheduler.running) + len(self.scheduler.waiting)
+        if not unfinished:
+            self.drain()  # steps still naming finished requests (aborted ones): before the KV goes
         kv = self.scheduler.kv
         if unfinished or kv.num_free_blocks != kv.pool.num_blocks:
             raise RuntimeError(f"cannot sleep: {unfinished} requests unfinished, "
@@ -260,6 +293,8 @@ class EngineCore:
         return self.executor.collective_rpc(method, args, kwargs, unique_reply_rank)
 
     def shutdown(self) -> None:
+        if self._overlap is not None:
+            self._overlap.shutdown()
         self.executor.shutdown()
 
 

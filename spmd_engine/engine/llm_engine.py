@@ -151,7 +151,6 @@ class LLMEngine:
         if self._exchange is not None:
             self._exchange.seed = self.seed
             core = self._client.llm_engine
-            core.executor.wait_for_steps_in_flight()  # the exchange's collectives are the groups' own
             queued = self._exchange.exchange(queued, self.pause.paused, core.last_step_digest)
         self._apply(queued)
 

@@ -1,10 +1,12 @@
 """pause_generation / resume_generation (vLLM's modes), for weight updates mid-rollout.
 
 - "abort": every unfinished request finishes now with finish_reason "abort" and its
-  tokens so far; pause_generation returns those outputs (partial rollouts).
+  tokens so far; pause_generation returns those outputs (partial rollouts). Steps in
+  flight run first (their tokens drop), so nothing names those requests afterwards.
 - "wait": the engine steps until every unfinished request has finished; returns
   the outputs those steps made.
-- "keep": the steps in flight (PP's batch queue) complete, then nothing more is
+- "keep": the steps in flight (PP's batch queue, async scheduling's step scheduled
+  ahead) complete, then nothing more is
   scheduled: running requests keep their tokens and KV and continue after
   resume_generation(); returns the outputs of the completed steps.
 
@@ -42,6 +44,9 @@ def pause(engine, mode: str = "abort", clear_cache: bool = False) -> list:
     outputs = []
     if mode == "abort":
         outputs = [out for _, out in engine.abort_now(list(engine.outputs.states))]
+        # Steps in flight or scheduled ahead (PP's batch queue, async scheduling) still name the
+        # aborted requests: they run now, before a weight update or sleep, and their tokens drop.
+        outputs += [out for _, out in engine.outputs.process(engine._client.drain())]
     elif mode == "wait":
         while engine.has_unfinished_requests():
             outputs += engine.step()

@@ -109,10 +109,12 @@ class Executor(ABC):
         can run pipeline stages on different steps at the same time."""
         return 2 if self.config.scheduler_config.async_scheduling else 1
 
-    def wait_for_steps_in_flight(self) -> None:
-        """Return once no step is running, keeping their results for the engine to read: the
-        engine's own collectives (external_launcher's exchange between ranks) must not meet a
-        step's collectives on the same group. Here steps never outlive their call."""
+    @property
+    def runs_steps_in_caller(self) -> bool:
+        """The step runs in the engine's own thread (uni, external_launcher): async scheduling
+        then overlaps the host's work with it from another thread (engine/overlapped_steps.py)
+        instead of sending the step away."""
+        return False
 
     def execute_model_async(self, scheduler_output) -> Callable[[], Any]:
         """Start a step; the returned function gives its ModelRunnerOutput. Here the step

@@ -9,17 +9,15 @@ A step that raises leaves the worker's state unknown (a forward stopped halfway,
 sampler that advanced or not), so the executor fails: every later call raises, as
 the mp executor's do after a worker error, instead of running on that state.
 
-With async scheduling the worker runs steps on a thread of its own, so that the
-engine schedules step k+1 and processes step k's output while the forward runs
-(torch's kernels release the GIL). Every later call to the worker goes through
-that thread too, behind the steps already sent: one thread ever touches the
-worker's state and its groups, in the order the engine sent its calls.
+Steps run in the caller's thread, also under async scheduling (the engine's host
+work moves to a thread of its own instead, engine/overlapped_steps.py): torch's
+OpenMP runtime slows every parallel region of the process about 2x once a second
+thread runs them beside the first on a machine with as many threads as cores.
 """
 
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from spmd_engine.config import ConfigError
@@ -33,7 +31,6 @@ class UniProcExecutor(Executor):
     def _init_executor(self) -> None:
         self.driver_worker = self._make_worker()
         self._shut = False
-        self._step_thread: ThreadPoolExecutor | None = None  # async scheduling's, from the first step
         self._failure: str | None = None  # the step that raised, once one has
         try:
             self.driver_worker.init_device()
@@ -57,22 +54,18 @@ class UniProcExecutor(Executor):
     def collective_rpc(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None,
                        unique_reply_rank: int | None = None, timeout: float | None = None) -> list[Any]:
         self._check_not_failed()
-        if self._step_thread is not None:
-            return [self._step_thread.submit(run_method, self.driver_worker, method, args, kwargs).result()]
         return [run_method(self.driver_worker, method, args, kwargs)]
 
+    @property
+    def runs_steps_in_caller(self) -> bool:
+        return True
+
     def execute_model_async(self, scheduler_output) -> Callable[[], Any]:
-        self._check_not_failed()
-        if self.max_concurrent_batches == 1:
-            output = self._run_step(scheduler_output)
-            return lambda: output
-        if self._step_thread is None:
-            self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="spmd-step",
-                                                   initializer=self.driver_worker.bind_device)
-        return self._step_thread.submit(self._run_step, scheduler_output).result
+        output = self._run_step(scheduler_output)
+        return lambda: output
 
     def _run_step(self, scheduler_output):
-        self._check_not_failed()  # a step sent before the one in flight failed does not run
+        self._check_not_failed()
         try:
             return self.driver_worker.execute_and_sample(scheduler_output)
         except BaseException as exc:
@@ -84,15 +77,9 @@ class UniProcExecutor(Executor):
         if self.is_failed:
             raise RuntimeError(f"Executor failed. ({self._failure})")
 
-    def wait_for_steps_in_flight(self) -> None:
-        if self._step_thread is not None:
-            self._step_thread.submit(lambda: None).result()
-
     def shutdown(self) -> None:
         if not self._shut:
             self._shut = True
-            if self._step_thread is not None:
-                self._step_thread.shutdown(wait=True, cancel_futures=True)
             self.driver_worker.shutdown()
 
 

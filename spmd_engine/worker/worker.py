@@ -56,12 +56,6 @@ class Worker:
         logger.debug("rank %d: process groups created in %.3fs", self.rank,
                      self.timings["groups_created"] - self.timings["init_device_start"])
 
-    def bind_device(self) -> None:
-        """Make this rank's device current in the calling thread (CUDA's current device is per
-        thread): for the executor's step thread under async scheduling."""
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-
     def _init_groups(self) -> None:
         from spmd_engine.distributed import (
             get_dp_group,

@@ -93,6 +93,40 @@ def test_uni_outputs_equal_synchronous_scheduling_under_preemption():
     assert stats["free_blocks"] == stats["num_blocks"]
 
 
+@pytest.mark.timeout(120)
+def test_uni_steps_run_in_the_callers_thread_while_a_helper_schedules_the_next():
+    """The design (engine/overlapped_steps.py): torch's kernels stay on one thread (a second
+    thread running them made every parallel region about 2x slower on 2 cores), and the
+    scheduling of step k+1 happens while step k runs."""
+    import threading
+    import time
+    with LLM(max_model_len=128, async_scheduling=True) as llm:
+        core = llm.llm_engine.engine_core
+        runner = core.model_executor.driver_worker.model_runner
+        seen = {"step_threads": set(), "schedule_threads": set(), "overlaps": 0}
+        running = threading.Event()
+        execute, schedule = runner.execute_model, core.scheduler.schedule
+
+        def timed_execute(out):
+            seen["step_threads"].add(threading.get_ident())
+            running.set()
+            try:
+                time.sleep(0.002)  # a forward long enough for the helper to schedule within it
+                return execute(out)
+            finally:
+                running.clear()
+
+        def watched_schedule(*args, **kwargs):
+            seen["schedule_threads"].add(threading.get_ident())
+            seen["overlaps"] += running.is_set()
+            return schedule(*args, **kwargs)
+        runner.execute_model, core.scheduler.schedule = timed_execute, watched_schedule
+        llm.generate(PROMPTS[:3], [SamplingParams(max_tokens=12, ignore_eos=True)] * 3)
+    assert seen["step_threads"] == {threading.get_ident()}
+    assert seen["schedule_threads"] - seen["step_threads"]  # scheduled on the helper thread
+    assert seen["overlaps"] >= 8  # while a step ran, not after it
+
+
 def drive(llm, starts, abort_at=None, pause_at=2):
     """Requests added at steps `starts`, one aborted at `abort_at`, pause (keep) and resume at
     `pause_at`: steps are in flight at each. The final outputs by id."""
@@ -125,6 +159,35 @@ def test_uni_online_steps_with_abort_and_pause_while_steps_are_in_flight():
         assert part.token_ids == want[0][1][0][0][:len(part.token_ids)]
         stats = llm.get_stats()[0]
     assert stats["free_blocks"] == stats["num_blocks"] and stats["running"] == stats["waiting"] == 0
+
+
+@pytest.mark.timeout(180)
+def test_uni_abort_or_pause_then_sleep_with_a_step_scheduled_ahead():
+    """A step scheduled ahead still names the requests an abort just finished: it runs (its
+    tokens dropped) before the KV cache is given back, so the engine wakes clean."""
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    with LLM(max_model_len=128, async_scheduling=True, enable_sleep_mode=True) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params)]
+        engine, core = llm.llm_engine, llm.llm_engine.engine_core
+        for pause in (True, False):
+            engine.add_request("a", PROMPTS[0], params)
+            engine.add_request("b", PROMPTS[1], params)
+            for _ in range(4):
+                engine.step()
+            assert core.has_unfinished_requests()
+            if pause:
+                outs = llm.pause_generation(mode="abort")
+                assert sorted((o.request_id, o.outputs[0].finish_reason) for o in outs) == [("a", "abort"),
+                                                                                             ("b", "abort")]
+                assert not core.has_unfinished_requests()  # nothing left scheduled ahead
+            else:
+                engine.abort_request(["a", "b"])
+                assert core.has_unfinished_requests()  # the step scheduled ahead
+            llm.sleep(1)
+            llm.wake_up()
+            if pause:
+                llm.resume_generation()
+            assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params)] == want
 
 
 @pytest.mark.timeout(240)

@@ -1,0 +1,104 @@
+"""Async scheduling where the step runs in the engine's own thread (uni, external_launcher).
+
+Under mp a step is sent to the workers and the engine is free until it reads the
+reply, so two steps in flight through the batch queue is all async scheduling
+needs. Here the worker is in this process. Running the step on a second thread
+would be the obvious shape, and on CPU it is the wrong one: torch's OpenMP runtime
+(libgomp) cuts its spinning once more threads run parallel regions than there are
+cores, and measured on 2 cores every parallel region of the process, both threads',
+then took about twice as long (B=8 bf16 decode 0.36x synchronous). So the step stays
+on this thread and the host's work moves: while this thread runs step k, a helper
+thread applies step k-1's output (tokens, finishes, stop strings) and schedules
+step k+1 (the tokens step k samples are placeholders the runner fills in). The
+helper only runs Python (the scheduler, the block manager, the detokenizer), never
+a torch kernel, so it starts no OpenMP team; torch's kernels release the GIL, so it
+runs while the forward does.
+
+Between two calls nothing runs: one step is scheduled but not started (`next`) and
+the last one's output is not applied yet (`last`). A drain runs and applies both.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+from spmd_engine.core.request import Request
+from spmd_engine.core.step_messages import ModelRunnerOutput, SchedulerOutput
+
+
+class OverlappedSteps:
+    def __init__(self, schedule: Callable[..., SchedulerOutput | None], has_work: Callable[[], bool],
+                 update: Callable[[SchedulerOutput, ModelRunnerOutput], list[Request]],
+                 run: Callable[[SchedulerOutput], ModelRunnerOutput]):
+        """`schedule(in_flight=, max_in_flight=)`, `has_work()` and `update(out, result)` are the
+        scheduler's side (run on the helper thread while a step runs); `run(out)` runs a step
+        to its output, on this thread. Exceptions of `run` propagate after the helper is idle."""
+        self._schedule, self._has_work, self._update, self._run = schedule, has_work, update, run
+        self.next: SchedulerOutput | None = None  # scheduled, not started
+        self.last: tuple[SchedulerOutput, ModelRunnerOutput] | None = None  # run, not applied
+        self._helper: ThreadPoolExecutor | None = None
+        self.overlapped = 0  # steps that ran while the next one was being scheduled
+
+    def pending(self) -> bool:
+        return self.next is not None or self.last is not None
+
+    def step(self) -> list[Request]:
+        """Run one step while the helper applies the one before and schedules the one after;
+        the requests that made progress in the step applied."""
+        progressed = []
+        if self.next is None:  # nothing scheduled ahead (the first step, or nothing could be)
+            progressed = self._apply_last()
+            if not self._has_work():
+                return progressed
+            self.next = self._schedule()
+            if self.next is None:
+                return progressed
+        out, self.next = self.next, None
+        if self._helper is None:
+            self._helper = ThreadPoolExecutor(1, thread_name_prefix="spmd-host")
+        host = self._helper.submit(self._apply_and_schedule)
+        try:
+            result = self._run(out)
+        except BaseException:
+            _wait_quietly(host)  # the helper must be done with the scheduler before the error goes up
+            raise
+        progressed += host.result()
+        self.last = (out, result)
+        self.overlapped += self.next is not None
+        return progressed
+
+    def _apply_and_schedule(self) -> list[Request]:
+        progressed = self._apply_last()
+        if self._has_work():  # one step is running: requests in it sampling are scheduled ahead
+            self.next = self._schedule(in_flight=1, max_in_flight=2)
+        return progressed
+
+    def _apply_last(self) -> list[Request]:
+        if self.last is None:
+            return []
+        (out, result), self.last = self.last, None
+        return self._update(out, result)
+
+    def drain(self) -> list[Request]:
+        """Run what is scheduled and apply every output: afterwards nothing is pending."""
+        progressed = self._apply_last()
+        if self.next is not None:
+            out, self.next = self.next, None
+            progressed += self._update(out, self._run(out))
+        return progressed
+
+    def forget(self) -> None:
+        """After a failed step: nothing pending is run or applied."""
+        self.next = self.last = None
+
+    def shutdown(self) -> None:
+        if self._helper is not None:
+            self._helper.shutdown(wait=True)
+
+
+def _wait_quietly(future) -> None:
+    try:
+        future.result()
+    except BaseException:
+        pass
