@@ -93,15 +93,6 @@ def add_cache_args(parser: argparse.ArgumentParser) -> None:
                        help="schedule the next step while one runs (vLLM's; not with PP)")
 
 
-def cache_kwargs_from_args(args: argparse.Namespace) -> dict:
-    return dict(block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
-                kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                enable_prefix_caching=args.enable_prefix_caching,
-                enable_chunked_prefill=args.enable_chunked_prefill,
-                async_scheduling=args.async_scheduling)
-
-
 def check_cache_args(args: argparse.Namespace) -> CacheConfig:
     """Validate the cache flags alone (before any model is read); raises ConfigError naming the flag."""
     try:
