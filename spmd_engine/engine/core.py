@@ -116,11 +116,7 @@ class EngineCore:
         return self._update(scheduler_output, model_output)
 
     def _overlapped_step(self) -> list[Request]:
-        try:
-            progressed = self._overlap.step()
-        except EngineDeadError:
-            self._overlap.forget()
-            raise
+        progressed = self._overlap.step()
         if self._overlap.overlapped:
             self._peak_in_flight = 2
         return progressed
@@ -235,11 +231,7 @@ class EngineCore:
         made progress. Afterwards nothing is in flight (pause_generation(mode="keep"))."""
         progressed = []
         if self._overlap is not None:
-            try:
-                progressed += self._overlap.drain()
-            except EngineDeadError:
-                self._overlap.forget()
-                raise
+            progressed += self._overlap.drain()
         while self._batch_queue:
             progressed += self._take_oldest_in_flight()
         return progressed

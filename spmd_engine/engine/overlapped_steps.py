@@ -16,6 +16,8 @@ runs while the forward does.
 
 Between two calls nothing runs: one step is scheduled but not started (`next`) and
 the last one's output is not applied yet (`last`). A drain runs and applies both.
+After any failure, of the step or of the helper's work beside it, the scheduler and
+the worker no longer agree on what ran, so every later call raises EngineDeadError.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Callable
 
 from spmd_engine.core.request import Request
 from spmd_engine.core.step_messages import ModelRunnerOutput, SchedulerOutput
+from spmd_engine.engine.core_client import EngineDeadError
 
 
 class OverlappedSteps:
@@ -39,6 +42,7 @@ class OverlappedSteps:
         self.last: tuple[SchedulerOutput, ModelRunnerOutput] | None = None  # run, not applied
         self._helper: ThreadPoolExecutor | None = None
         self.overlapped = 0  # steps that ran while the next one was being scheduled
+        self.failed: str | None = None  # why every later call is refused
 
     def pending(self) -> bool:
         return self.next is not None or self.last is not None
@@ -46,6 +50,7 @@ class OverlappedSteps:
     def step(self) -> list[Request]:
         """Run one step while the helper applies the one before and schedules the one after;
         the requests that made progress in the step applied."""
+        self._check_not_failed()
         progressed = []
         if self.next is None:  # nothing scheduled ahead (the first step, or nothing could be)
             progressed = self._apply_last()
@@ -60,10 +65,15 @@ class OverlappedSteps:
         host = self._helper.submit(self._apply_and_schedule)
         try:
             result = self._run(out)
-        except BaseException:
+        except BaseException as exc:
             _wait_quietly(host)  # the helper must be done with the scheduler before the error goes up
+            self._fail(f"step {out.step} failed: {type(exc).__name__}: {exc}")
             raise
-        progressed += host.result()
+        try:
+            progressed += host.result()
+        except BaseException as exc:
+            self._fail(f"scheduling beside step {out.step} failed: {type(exc).__name__}: {exc}")
+            raise EngineDeadError(f"engine failed while {self.failed}") from exc
         self.last = (out, result)
         self.overlapped += self.next is not None
         return progressed
@@ -82,15 +92,24 @@ class OverlappedSteps:
 
     def drain(self) -> list[Request]:
         """Run what is scheduled and apply every output: afterwards nothing is pending."""
-        progressed = self._apply_last()
-        if self.next is not None:
-            out, self.next = self.next, None
-            progressed += self._update(out, self._run(out))
+        self._check_not_failed()
+        try:
+            progressed = self._apply_last()
+            if self.next is not None:
+                out, self.next = self.next, None
+                progressed += self._update(out, self._run(out))
+        except BaseException as exc:
+            self._fail(f"draining failed: {type(exc).__name__}: {exc}")
+            raise
         return progressed
 
-    def forget(self) -> None:
-        """After a failed step: nothing pending is run or applied."""
-        self.next = self.last = None
+    def _fail(self, why: str) -> None:
+        self.failed = self.failed or why
+        self.next = self.last = None  # nothing pending is run or applied
+
+    def _check_not_failed(self) -> None:
+        if self.failed:
+            raise EngineDeadError(f"engine failed earlier ({self.failed}): it serves nothing more")
 
     def shutdown(self) -> None:
         if self._helper is not None:
