@@ -2,10 +2,9 @@
 
 The step stopped halfway: its KV writes, the sampler's streams and the runner's block
 tables are in an unknown state. Before, a later generate ran on that state (and died on a
-misleading "the KV cache is too small", or with async scheduling on a shape error from the
-step already queued behind the failed one). Now the executor fails as mp's does after a
-worker error, naming the step that raised; under async scheduling the queued step never
-runs.
+misleading "the KV cache is too small"). Now the executor fails as mp's does after a
+worker error, naming the step that raised; under async scheduling the engine's overlapped
+steps refuse first (engine/overlapped_steps.py), and the step scheduled ahead never runs.
 """
 
 from __future__ import annotations
@@ -37,8 +36,10 @@ def test_a_step_that_raises_fails_every_later_call(async_scheduling):
         with pytest.raises(EngineDeadError, match="injected fault"):
             llm.generate(["Beautiful is"], SamplingParams(max_tokens=20))
         entered = llm.llm_engine.model_executor.driver_worker.model_runner.steps_entered
-        assert entered == 5  # async: the step queued behind the failed one did not run
-        with pytest.raises(EngineDeadError, match=r"Executor failed. \(step 5 raised RuntimeError: injected fault\)"):
+        assert entered == 5  # nothing ran after the failed step
+        refusal = (r"engine failed earlier \(step 5 failed: .*injected fault\)" if async_scheduling
+                   else r"Executor failed. \(step 5 raised RuntimeError: injected fault\)")
+        with pytest.raises(EngineDeadError, match=refusal):
             llm.generate(["Beautiful is"], SamplingParams(max_tokens=5))
         with pytest.raises(RuntimeError, match="Executor failed"):
             llm.collective_rpc("get_runner_stats")
