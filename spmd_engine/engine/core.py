@@ -51,7 +51,7 @@ class EngineCore:
             logger.info("async scheduling: off during DP waves (a wave step is one forward on every replica)")
         elif config.scheduler_config.async_scheduling and self.executor.runs_steps_in_caller:
             self._overlap = OverlappedSteps(self._schedule, self.scheduler.has_unfinished, self._update,
-                                            self._run_step_here)
+                                            self._run_step)
 
     @property
     def vllm_config(self) -> EngineConfig:
@@ -108,12 +108,7 @@ class EngineCore:
         if self.executor.max_concurrent_batches > 1 and not self.dp_waves:
             return self._step_with_batch_queue()  # (a wave step is exactly one forward: no queue)
         scheduler_output = self._schedule()
-        self._peak_in_flight = max(self._peak_in_flight, 1)
-        try:
-            model_output = self.executor.execute_model_async(scheduler_output)()  # sent, then read
-        except Exception as exc:
-            raise EngineDeadError(f"engine failed while running step {scheduler_output.step}: {exc}") from exc
-        return self._update(scheduler_output, model_output)
+        return self._update(scheduler_output, self._run_step(scheduler_output))
 
     def _overlapped_step(self) -> list[Request]:
         progressed = self._overlap.step()
@@ -121,7 +116,8 @@ class EngineCore:
             self._peak_in_flight = 2
         return progressed
 
-    def _run_step_here(self, scheduler_output):
+    def _run_step(self, scheduler_output):
+        """One step, sent and read back (no other step in flight meanwhile)."""
         self._peak_in_flight = max(self._peak_in_flight, 1)
         try:
             return self.executor.execute_model_async(scheduler_output)()
