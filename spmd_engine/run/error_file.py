@@ -46,9 +46,8 @@ class AtomicErrorHandler(ErrorHandler):
 
 
 def record_for_torchrun(exc: BaseException) -> None:
-    """Write torchrun's error file, so its summary names this rank's root cause."""
-    if ERROR_FILE_ENV not in os.environ:
-        return
+    """Write torchrun's error file, so its summary names this rank's root cause (nothing
+    without torchrun)."""
     try:
         AtomicErrorHandler().record_exception(exc)
     except Exception:  # the error line already went out; never mask it

@@ -43,9 +43,3 @@ def test_a_write_stopped_midway_leaves_no_file_the_agent_cannot_parse(tmp_path, 
     assert list(tmp_path.iterdir()) == []
     _agent_reads(target)  # no file: the agent makes its own message instead of crashing
 
-
-def test_without_torchrun_nothing_is_written(tmp_path, monkeypatch):
-    monkeypatch.delenv(ERROR_FILE_ENV, raising=False)
-    monkeypatch.chdir(tmp_path)
-    record_for_torchrun(RuntimeError("x"))
-    assert list(tmp_path.iterdir()) == []
