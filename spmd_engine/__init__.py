@@ -4,7 +4,8 @@
 plan CLI) stays free of torch until a model is actually needed.
 """
 
-__all__ = ["LLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "Logprob", "SamplingMask"]
+__all__ = ["LLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "Logprob", "SamplingMask",
+           "ModelRegistry"]
 
 
 def __getattr__(name):
@@ -17,4 +18,7 @@ def __getattr__(name):
     if name in ("RequestOutput", "CompletionOutput", "Logprob", "SamplingMask"):
         from spmd_engine.engine import outputs
         return getattr(outputs, name)
+    if name == "ModelRegistry":
+        from spmd_engine.model.registry import ModelRegistry
+        return ModelRegistry
     raise AttributeError(f"module 'spmd_engine' has no attribute {name!r}")

@@ -180,6 +180,9 @@ class ModelConfig:
     enable_return_routed_experts: bool = False
     # Bitwise reproducible outputs: every layer, attention and logprob through batch_invariant.py
     batch_invariant: bool = False
+    # (architecture, class or "module:Class") when the model's architecture was registered with
+    # ModelRegistry in this process: spawned workers and DP engine processes register it too.
+    model_registration: tuple | None = None
 
     @property
     def model_dir(self) -> str:

@@ -24,6 +24,8 @@ from spmd_engine import envs
 from spmd_engine.config import ConfigError
 from spmd_engine.model.models.llama import CausalLM
 from spmd_engine.model.partition import check_model_parallel
+from spmd_engine.model.registry import ModelRegistry
+from spmd_engine.model.spec import architecture_of
 from spmd_engine.model.weights import WeightLoadError
 
 BUNDLED_MODEL_DIR = Path(__file__).resolve().parent.parent / "bundled"
@@ -159,21 +161,26 @@ def _open(file: Path):
 def load_model(model_dir: str | os.PathLike | None, tp_group, pp_group, dtype: str | torch.dtype | None = None,
                device: str | torch.device = "cpu", pp_partition: str | None = None,
                load_format: str = "auto", moe_group=None, expert_parallel: bool = False,
-               dispatch_group=None, batch_invariant: bool = False) -> CausalLM:
-    """This rank's CausalLM with its shard of the weights (model_dir None: the bundled model).
+               dispatch_group=None, batch_invariant: bool = False, model_registration=None) -> CausalLM:
+    """This rank's model (the class ModelRegistry gives config.json's architecture: CausalLM for
+    the built-ins) with its shard of the weights (model_dir None: the bundled model).
     `load_format="dummy"` fills it with random weights (`dummy_weights`) and reads no tensor.
-    MoE sharding (`moe_group`, `expert_parallel`, `dispatch_group`): see CausalLM."""
+    MoE sharding (`moe_group`, `expert_parallel`, `dispatch_group`): see CausalLM.
+    `model_registration`: the engine process's ModelRegistry entry for this model, when a
+    user registered it (ModelConfig.model_registration), taken over here first."""
     model_dir = Path(model_dir) if model_dir is not None else BUNDLED_MODEL_DIR
     hf_config = read_hf_config(model_dir)
+    ModelRegistry.adopt(model_registration)
+    model_cls, _ = ModelRegistry.resolve_model_cls(architecture_of(hf_config, str(model_dir / "config.json")))
     ep_size = (moe_group or tp_group).world_size if expert_parallel else None
     check_model_parallel(hf_config, tp_group.world_size, pp_group.world_size, source=str(model_dir / "config.json"),
                          ep_size=ep_size)
     torch_dtype = resolve_dtype(dtype, hf_config, device)
     # Built straight on `device` with uninitialised storage of shard size (not via the meta
     # device: a first meta tensor imports torch's symbolic-shape machinery, 0.45 s per rank).
-    model = CausalLM(hf_config, tp_group, pp_group, dtype=torch_dtype, device=device, pp_partition=pp_partition,
-                     moe_group=moe_group, expert_parallel=expert_parallel, dispatch_group=dispatch_group,
-                     batch_invariant=batch_invariant)
+    model = model_cls(hf_config, tp_group, pp_group, dtype=torch_dtype, device=device, pp_partition=pp_partition,
+                      moe_group=moe_group, expert_parallel=expert_parallel, dispatch_group=dispatch_group,
+                      batch_invariant=batch_invariant)
     if load_format == "dummy":
         model.load_weights(dummy_weights(model))
         return model
@@ -181,9 +188,16 @@ def load_model(model_dir: str | os.PathLike | None, tp_group, pp_group, dtype: s
     return model
 
 
+# vLLM's dummy weights are uniform in a small range; this one has HF's initializer_range (0.02)
+# as its standard deviation, with norms 1. vLLM's +-1e-3, norms included, puts the hidden
+# states' mean square below RMSNorm's eps, so no layer normalises: unlike any trained network.
+DUMMY_RANGE = 0.02 * 3 ** 0.5
+
+
 def dummy_weights(model: CausalLM, seed: int = 0):
-    """Random full HF tensors for the names `model` holds, the same on every rank (so TP shards
-    make one consistent model): norms 1, everything else N(0, 0.02)."""
+    """Random full HF tensors for the names `model` holds: norms 1, everything else uniform in
+    +-DUMMY_RANGE, each drawn from a seed of its own name. So every rank of every layout holds
+    slices of the same full tensors: TP=2 builds the model TP=1 does, synced before any update."""
     from spmd_engine.model.weights import hf_tensor_shapes
     shapes = hf_tensor_shapes(model.spec)
     for name in sorted(model._update_targets()):
@@ -191,7 +205,7 @@ def dummy_weights(model: CausalLM, seed: int = 0):
         if "norm" in name:
             yield name, torch.ones(shapes[name])
         else:
-            yield name, torch.randn(shapes[name], generator=gen) * 0.02
+            yield name, (torch.rand(shapes[name], generator=gen) * 2 - 1) * DUMMY_RANGE
 
 
 def checkpoint_weights(model: CausalLM, model_dir: str | os.PathLike | None):

@@ -13,9 +13,10 @@ from typing import Any, Mapping
 
 from spmd_engine.config import ConfigError
 from spmd_engine.model.layers.rotary import SUPPORTED_ROPE_TYPES, rope_type_of
+from spmd_engine.model.registry import BUILTIN_MODELS, ModelRegistry
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+# The built-in architectures (model/registry.py maps every architecture to its class).
+SUPPORTED_ARCHITECTURES = tuple(BUILTIN_MODELS)
 # Architectures whose attention RMS-normalises q and k per head before RoPE.
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # Widths past this are a typo, not a model (the largest released are near 2**14 hidden and
@@ -55,6 +56,8 @@ class ModelSpec:
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, Any], source: str = "config.json") -> "ModelSpec":
         arch = architecture_of(cfg, source)
+        # A class registered under a new name reads config.json as the built-in it names.
+        family = ModelRegistry.config_architecture(arch)
 
         def need(key: str, most: int | None = None) -> int:
             value = cfg.get(key)
@@ -84,13 +87,13 @@ class ModelSpec:
         if act != "silu":
             raise ConfigError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
         theta, scaling = _rope(cfg, source)
-        qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+        qwen = family in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
         # Llama, Qwen3 and Qwen3-MoE: `attention_bias` puts a bias on q, k, v and o;
         # Qwen2 always has q/k/v biases, Qwen2-MoE per `qkv_bias` (default on).
-        all_bias = bool(cfg.get("attention_bias", False)) and arch in (
+        all_bias = bool(cfg.get("attention_bias", False)) and family in (
             "LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-        qkv_bias = (all_bias or arch == "Qwen2ForCausalLM"
-                    or (arch == "Qwen2MoeForCausalLM" and bool(cfg.get("qkv_bias", True))))
+        qkv_bias = (all_bias or family == "Qwen2ForCausalLM"
+                    or (family == "Qwen2MoeForCausalLM" and bool(cfg.get("qkv_bias", True))))
         window = cfg.get("sliding_window")
         if qwen and not cfg.get("use_sliding_window", False):
             window = None
@@ -110,10 +113,10 @@ class ModelSpec:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             o_bias=all_bias,
-            mlp_bias=bool(cfg.get("mlp_bias", False)) and arch == "LlamaForCausalLM",
+            mlp_bias=bool(cfg.get("mlp_bias", False)) and family == "LlamaForCausalLM",
             sliding_window=int(window) if window else None,
-            qk_norm=arch in QK_NORM_ARCHITECTURES,
-            moe=MoeSpec.from_hf_config(arch, cfg, source),
+            qk_norm=family in QK_NORM_ARCHITECTURES,
+            moe=MoeSpec.from_hf_config(family, cfg, source),
         )
 
 
@@ -168,11 +171,13 @@ class MoeSpec:
 
 
 def architecture_of(cfg: Mapping[str, Any], source: str = "config.json") -> str:
+    """The first of config.json's `architectures` that ModelRegistry knows (vLLM tries each)."""
     archs = cfg.get("architectures") or []
-    arch = archs[0] if isinstance(archs, list) and archs else None
-    if arch not in SUPPORTED_ARCHITECTURES:
+    arch = ModelRegistry.supported_architecture(archs) if isinstance(archs, list) else None
+    if arch is None:
+        named = archs[0] if isinstance(archs, list) and archs else None
         raise ConfigError(
-            f"unsupported architecture {arch} in {source}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"unsupported architecture {named} in {source}; supported: {', '.join(ModelRegistry.get_supported_archs())}"
         )
     return arch
 

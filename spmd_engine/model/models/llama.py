@@ -129,6 +129,10 @@ class CausalLM(CausalLMWeights, nn.Module):
     ignores all three.
     """
 
+    # A subclass registered (model/registry.py) under an architecture name of its own: the
+    # built-in architecture whose config.json reading it follows (None: LlamaForCausalLM's).
+    hf_config_architecture: str | None = None
+
     def __init__(self, hf_config: Mapping[str, Any], tp_group, pp_group, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", pp_partition: str | None = None, moe_group=None,
                  expert_parallel: bool = False, dispatch_group=None, batch_invariant: bool = False):
@@ -241,6 +245,9 @@ class CausalLM(CausalLMWeights, nn.Module):
         head can (ParallelLMHead.greedy_tokens)."""
         if self.lm_head is None:
             raise RuntimeError("greedy_tokens runs on the last pipeline stage only")
+        if type(self).compute_logits is not CausalLM.compute_logits:  # a registered subclass's own logits
+            from spmd_engine.sample.sampler import greedy_tokens
+            return greedy_tokens(self.compute_logits(hidden))
         return self.lm_head.greedy_tokens(hidden)
 
     # ---- compiled forward (compilation.py) ----
