@@ -16,6 +16,8 @@ from spmd_engine.config import ConfigError
 from spmd_engine.run_batch.requests import BadRequest, BatchRequest, completion_prompt, sampling_params
 from spmd_engine.run_batch.responses import error_line, result_line
 
+# Arguments the renderer sets itself: the same names in chat_template_kwargs give way to them.
+RENDER_ARGS = ("messages", "tools", "add_generation_prompt", "continue_final_message")
 BATCH_OUTPUT_FLAGS = ("model", "seed", "dtype", "max_model_len", "pp_partition", "served_model_name",
                       "logprobs_mode")
 
@@ -48,20 +50,44 @@ class BatchJob:
                 request.error = str(exc)
 
     def _prepare(self, index: int, request: BatchRequest, inputs, model_dir: str) -> None:
+        body = request.body
         if request.is_chat:
-            from spmd_engine.engine.chat_template import chat_prompt, choose_template, normalize_messages
-            tools = request.body.get("tools")
-            template = choose_template(model_dir, self.chat_template, tools)
-            prompt = chat_prompt(inputs.tokenizer, model_dir, normalize_messages(request.body["messages"]),
-                                 template, tools=tools)
+            prompt = self._chat_prompt(request, inputs.tokenizer, model_dir)
         else:
-            prompt = completion_prompt(request.body)
+            prompt = completion_prompt(body)
+            if isinstance(prompt, str) and body.get("add_special_tokens") is False and inputs.tokenizer is not None:
+                prompt = {"prompt": prompt, "prompt_token_ids": inputs.tokenizer.encode(prompt, add_special_tokens=False)}
         text, ids = inputs.encode(prompt, index)
-        params = sampling_params(request, len(ids), inputs.max_model_len)
+        params = sampling_params(request, len(ids), inputs.max_model_len, inputs.default_sampling_kwargs)
+        inputs.check_params(params, index)
         if params.stop and inputs.tokenizer is None:
             raise BadRequest("stop strings need a tokenizer, and this model has none")
+        if body.get("echo") and not request.is_chat:  # vLLM decodes a token-id prompt to echo it
+            request.echo = text if text is not None else inputs.decode(ids, skip_special_tokens=False)
+            request.first_token = inputs.decode(ids[:1], skip_special_tokens=False)
         self.prompts[index] = {"prompt": text, "prompt_token_ids": ids} if text is not None else ids
         self.params[index] = params
+
+    def _chat_prompt(self, request: BatchRequest, tokenizer, model_dir: str) -> dict:
+        """The conversation rendered with the body's template arguments, as vLLM's chat: the
+        body's own fields win over the same names in chat_template_kwargs."""
+        from spmd_engine.engine.chat_template import chat_prompt, choose_template, normalize_messages
+        body, tools = request.body, request.body.get("tools")
+        messages = normalize_messages(body["messages"])
+        generation_prompt = body.get("add_generation_prompt") is not False
+        variables = {k: v for k, v in (body.get("chat_template_kwargs") or {}).items() if k not in RENDER_ARGS}
+        if body.get("documents") is not None:
+            variables["documents"] = body["documents"]
+        prompt = chat_prompt(tokenizer, model_dir, messages, choose_template(model_dir, self.chat_template, tools),
+                             add_generation_prompt=generation_prompt, tools=tools, variables=variables,
+                             continue_final_message=bool(body.get("continue_final_message")))
+        request.role = "assistant" if generation_prompt else messages[-1]["role"]
+        if body.get("echo"):  # the last message, when the reply continues its role
+            last = messages[-1].get("content")
+            request.echo = last if messages[-1]["role"] == request.role and isinstance(last, str) else ""
+        if body.get("add_special_tokens"):
+            prompt["prompt_token_ids"] = tokenizer.encode(prompt["prompt"])
+        return prompt
 
     def _uid(self, index: int) -> str:
         return hashlib.sha256(f"{self.digest}:{index}".encode()).hexdigest()[:24]
@@ -80,5 +106,6 @@ class BatchJob:
         return self.prompts[index], params
 
     def record(self, index: int, out) -> dict:
+        k = self.params[index].logprobs
         return result_line(index, self.requests[index], self._uid(index), out, self.model_name, self.created,
-                           self.params[index].logprobs or 0)
+                           None if k == -1 else k or 0)

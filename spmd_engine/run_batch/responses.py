@@ -21,12 +21,17 @@ def error_line(index: int, request: BatchRequest, uid: str, message: str) -> dic
             "error": {"code": "invalid_request", "message": message}}
 
 
-def result_line(index: int, request: BatchRequest, uid: str, out, model: str, created: int, top_k: int) -> dict:
-    """A 200 result; `top_k`: how many alternatives each logprobs entry lists (the request's K)."""
+def result_line(index: int, request: BatchRequest, uid: str, out, model: str, created: int,
+                top_k: int | None) -> dict:
+    """A 200 result; `top_k`: how many alternatives each logprobs entry lists (the request's K;
+    None: all). Prompt logprobs, when asked for (or by "echo"), go where vLLM puts them: in
+    each choice of a completion, beside "usage" in a chat completion."""
     body = {"id": f"{'chatcmpl' if request.is_chat else 'cmpl'}-{uid}",
             "object": "chat.completion" if request.is_chat else "text_completion",
             "created": created, "model": request.body.get("model") or model,
-            "choices": [_choice(request, c, top_k) for c in out.outputs], "usage": usage(out)}
+            "choices": [_choice(request, c, top_k, out) for c in out.outputs], "usage": usage(out)}
+    if request.is_chat and out.prompt_logprobs is not None:
+        body["prompt_logprobs"] = _prompt_logprobs(out.prompt_logprobs)
     return {"index": index, "id": f"batch_req_{uid}", "custom_id": request.custom_id,
             "response": {"status_code": 200, "request_id": f"req_{uid}", "body": body}, "error": None}
 
@@ -36,20 +41,30 @@ def usage(out) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _choice(request: BatchRequest, c, k: int) -> dict:
+def _choice(request: BatchRequest, c, k: int | None, out) -> dict:
     if request.is_chat:
-        choice = {"index": c.index, "message": {"role": "assistant", "content": c.text},
+        choice = {"index": c.index, "message": {"role": request.role, "content": (request.echo or "") + c.text},
                   "logprobs": _chat_logprobs(c, k) if c.logprobs is not None else None}
-    else:
-        choice = {"index": c.index, "text": c.text,
-                  "logprobs": _completion_logprobs(c, k) if c.logprobs is not None else None}
-    return {**choice, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        return {**choice, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+    text, token_ids, steps = c.text, list(c.token_ids), c.logprobs
+    if request.echo is not None:  # vLLM's: the prompt, its logprobs, then the output's (none for max_tokens 0)
+        generated = request.body.get("max_tokens") != 0
+        text = request.echo + (text if generated else "")
+        token_ids = list(out.prompt_token_ids) + (token_ids if generated else [])
+        steps = None if steps is None else list(out.prompt_logprobs) + (list(steps) if generated else [])
+    choice = {"index": c.index, "text": text,
+              "logprobs": _completion_logprobs(token_ids, steps, k, request.first_token) if steps is not None else None,
+              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+    if out.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = _prompt_logprobs(out.prompt_logprobs)
+    return choice
 
 
-def _top(step: dict, k: int) -> list:
-    """The top K of one step's {token id: Logprob}, most likely first (the dict also holds the
-    sampled token, ranked where it falls)."""
-    return sorted(step.values(), key=lambda lp: lp.rank)[:k]
+def _top(step: dict, limit: int | None) -> list:
+    """The first `limit` entries of one step's {token id: Logprob} (None: all), in the engine's
+    order, as vLLM takes them: the sampled (or prompt) token first, then the top K. So chat's
+    K alternatives start with the sampled token, and a completion's K + 1 hold it and the top K."""
+    return list(step.values())[:limit]
 
 
 def _token(lp) -> dict:
@@ -57,20 +72,31 @@ def _token(lp) -> dict:
     return {"token": text, "logprob": json_logprob(lp.logprob), "bytes": list(text.encode("utf-8"))}
 
 
-def _chat_logprobs(c, k: int) -> dict:
+def _chat_logprobs(c, k: int | None) -> dict:
     content = []
     for token_id, step in zip(c.token_ids, c.logprobs):
         content.append({**_token(step[token_id]), "top_logprobs": [_token(lp) for lp in _top(step, k)]})
     return {"content": content}
 
 
-def _completion_logprobs(c, k: int) -> dict:
+def _completion_logprobs(token_ids: list[int], steps: list, k: int | None, first_token: str) -> dict:
+    """OpenAI's completions logprobs; a step without logprobs (the first prompt token, echoed)
+    has its token and nulls, as vLLM writes it."""
     tokens, token_logprobs, top, offsets, offset = [], [], [], [], 0
-    for token_id, step in zip(c.token_ids, c.logprobs):
-        text = step[token_id].decoded_token or ""
+    limit = None if k is None else k + 1
+    for token_id, step in zip(token_ids, steps):
+        text = first_token if step is None else step[token_id].decoded_token or ""
         tokens.append(text)
-        token_logprobs.append(json_logprob(step[token_id].logprob))
-        top.append({lp.decoded_token or "": json_logprob(lp.logprob) for lp in _top(step, k)})
+        token_logprobs.append(None if step is None else json_logprob(step[token_id].logprob))
+        top.append(None if step is None else {lp.decoded_token or "": json_logprob(lp.logprob) for lp in _top(step, limit)})
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def _prompt_logprobs(steps: list) -> list:
+    """vLLM's `prompt_logprobs`: per prompt token {token id: {logprob, rank, decoded_token}}, null
+    for the first."""
+    return [None if step is None else {str(t): {"logprob": json_logprob(lp.logprob), "rank": lp.rank,
+                                                "decoded_token": lp.decoded_token} for t, lp in step.items()}
+            for step in steps]

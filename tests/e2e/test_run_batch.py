@@ -2,7 +2,8 @@
 logprobs, seeds and three invalid lines. The valid lines' results equal what the LLM API gives
 for the same requests (built here by hand, not by run_batch's parser), the invalid ones get
 error results and do not stop the others; the file is the same on uni, mp and torchrun
-TP2xDP2, and a run killed mid-way and resumed writes the same bytes."""
+TP2xDP2, and a run killed mid-way and resumed writes the same bytes. Sampling fields and echo read
+from a body change the results as the same SamplingParams do through the LLM API."""
 
 from __future__ import annotations
 
@@ -179,6 +180,46 @@ def test_resume_after_sigkill_gives_the_same_bytes(files, uni, tmp_path):
     assert resumed.returncode == 0, resumed.stderr
     assert out.read_bytes() == uni
     assert not list(tmp_path.glob("out.jsonl.part-*"))
+
+
+# (custom_id, body fields beyond prompt and max_tokens): each changes what the plain line writes
+FIELD_LINES = [
+    ("plain", dict(temperature=2.0, seed=5)), ("top_k", dict(temperature=2.0, seed=5, top_k=1)),
+    ("logit_bias", dict(temperature=0, logit_bias={"33": 100})),  # "!"
+    ("stop_token_ids", dict(temperature=0, stop_token_ids=[116])),  # "t"
+    ("min_tokens", dict(temperature=0, stop_token_ids=[116], min_tokens=6)),
+    ("echo", dict(temperature=0, echo=True, logprobs=1)),
+    ("refused", dict(temperature=0, response_format={"type": "json_object"})),
+]
+
+
+@pytest.mark.timeout(300)
+def test_request_fields_change_the_outputs(tmp_path):
+    """top_k, logit_bias, stop_token_ids, min_tokens and echo read from the body: each line's
+    result is the LLM API's for the same SamplingParams, and differs from the plain line's."""
+    (tmp_path / "requests.jsonl").write_text("".join(
+        line(cid, COMPLETIONS, prompt="Beautiful is", max_tokens=12, **body) + "\n" for cid, body in FIELD_LINES))
+    out = tmp_path / "out.jsonl"
+    proc = run_checked([sys.executable, "-m", "spmd_engine.run_batch", "-i", tmp_path / "requests.jsonl", "-o", out,
+                        "--quiet"], "batch-fields", 150)
+    assert proc.returncode == 0, proc.stderr
+    got = {r["custom_id"]: r["response"]["body"] for r in read(out)}
+    assert got["refused"]["error"]["message"].endswith('"response_format" is not supported by spmd_engine')
+    fields = {cid: {k: v for k, v in body.items() if k != "echo"} for cid, body in FIELD_LINES[:-1]}
+    fields["echo"]["prompt_logprobs"] = 1
+    with LLM() as llm:
+        want = {cid: llm.generate(["Beautiful is"], [SamplingParams(max_tokens=12, **f)])[0] for cid, f in fields.items()}
+    texts = {cid: body["choices"][0]["text"] for cid, body in got.items() if cid != "refused"}
+    assert texts == {cid: ("Beautiful is" if cid == "echo" else "") + o.outputs[0].text for cid, o in want.items()}
+    assert texts["top_k"] == continuation("Beautiful is")[:12] != texts["plain"]  # greedy, at temperature 2
+    assert texts["logit_bias"] == "!" * 12
+    assert (texts["stop_token_ids"], got["stop_token_ids"]["choices"][0]["stop_reason"]) == (" be", 116)
+    assert len(want["min_tokens"].outputs[0].token_ids) >= 6 and texts["min_tokens"] != " be"
+    echoed = got["echo"]["choices"][0]["logprobs"]["token_logprobs"]
+    prompt = [None] + [step[t].logprob for step, t in zip(want["echo"].prompt_logprobs[1:],
+                                                             want["echo"].prompt_token_ids[1:])]
+    sampled = [step[t].logprob for step, t in zip(want["echo"].outputs[0].logprobs, want["echo"].outputs[0].token_ids)]
+    assert echoed[0] is None and echoed[1:] == pytest.approx(prompt[1:] + sampled, abs=1e-4)
 
 
 @pytest.mark.timeout(60)
