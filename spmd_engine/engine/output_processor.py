@@ -19,8 +19,8 @@ from typing import Any, Callable
 from spmd_engine.core.request import Request
 from spmd_engine.engine.input_processor import InputProcessor
 from spmd_engine.engine.metrics import FrontEndStats
-from spmd_engine.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SamplingMask
-from spmd_engine.engine.stop_strings import INCOMPLETE
+from spmd_engine.engine.outputs import CompletionOutput, Logprob, RequestOutput, RequestStateStats, SamplingMask
+from spmd_engine.engine.stop_strings import INCOMPLETE, held_back
 from spmd_engine.sampling_params import RequestOutputKind, SamplingParams
 
 SEED_MASK = (1 << 63) - 1
@@ -49,6 +49,7 @@ class _RequestState:
         self.new, self.samples = new, samples
         self.sent_tokens = [0] * len(samples)  # DELTA: tokens already returned, per sample
         self.sent_text = [0] * len(samples)
+        self.sent_prompt_logprobs = 0  # DELTA: prompt positions already returned
         self.seen_tokens = [0] * len(samples)  # counted into the generation-token metric
 
     @property
@@ -129,45 +130,54 @@ class OutputProcessor:
         for k, r in enumerate(samples):
             full = _completion(k, r, self.inputs)
             if kind is RequestOutputKind.DELTA:
-                full = _delta(full, state, k, done)
+                full = _delta(full, state, k)
             completions.append(full)
         first = samples[0]
         prompt_logprobs = None
         if first.params.prompt_logprobs is not None:
             prompt_logprobs = [None] + [_logprob_dict(step, self.inputs, first.params.detokenize)
                                         for step in first.prompt_logprobs or []]
+            if kind is RequestOutputKind.DELTA:  # as vLLM: each position once, in the first output that has it
+                sent, state.sent_prompt_logprobs = state.sent_prompt_logprobs, len(prompt_logprobs)
+                prompt_logprobs = prompt_logprobs[sent:]
         metrics = self._metrics(state, done)
-        return RequestOutput(state.new.request_id, first.prompt, list(first.prompt_token_ids), completions,
-                             finished=done, prompt_logprobs=prompt_logprobs, weight_version=self.weight_version(),
-                             num_cached_tokens=metrics.num_cached_tokens, metrics=metrics)
+        return RequestOutput(state.new.request_id, first.prompt, list(first.prompt_token_ids), prompt_logprobs,
+                             completions, done, metrics, num_cached_tokens=metrics.num_cached_tokens,
+                             weight_version=self.weight_version())
 
-    def _metrics(self, state: _RequestState, done: bool) -> RequestMetrics:
+    def _metrics(self, state: _RequestState, done: bool) -> RequestStateStats:
         samples = state.samples
         stamps = lambda name: [getattr(r, name) for r in samples if getattr(r, name) is not None]  # noqa: E731
-        m = RequestMetrics(state.new.arrival_time, min(stamps("first_scheduled_time"), default=None),
-                           min(stamps("first_token_time"), default=None),
-                           max(stamps("last_token_time"), default=None),
-                           time.time() if done else None, len(state.new.prompt_token_ids),
-                           sum(len(r.output_token_ids) for r in samples), max(0, samples[0].num_cached_tokens))
+        arrival = state.new.arrival_time
+        first_token = min(stamps("first_token_time"), default=0.0)
+        m = RequestStateStats(
+            num_generation_tokens=sum(len(r.output_token_ids) for r in samples),
+            num_preemptions=sum(r.num_preemptions for r in samples), arrival_time=arrival, queued_ts=arrival,
+            scheduled_ts=min(stamps("first_scheduled_time"), default=0.0), first_token_ts=first_token,
+            last_token_ts=max(stamps("last_token_time"), default=0.0),
+            first_token_latency=first_token - arrival if first_token else 0.0,
+            finished_time=time.time() if done else None, num_prompt_tokens=len(state.new.prompt_token_ids),
+            num_cached_tokens=max(0, samples[0].num_cached_tokens))
         if done:
-            if m.first_token_latency is not None:
+            if first_token:
                 self.stats.ttft.observe(m.first_token_latency)
             self.stats.e2e.observe(m.finished_time - m.arrival_time)
         return m
 
 
-def _delta(full: CompletionOutput, state: _RequestState, k: int, done: bool) -> CompletionOutput:
-    """The part of the sample's completion not returned before. Text held back while it ends
-    in the first bytes of a character (the rest comes with the next token)."""
+def _delta(full: CompletionOutput, state: _RequestState, k: int) -> CompletionOutput:
+    """The part of the sample's completion not returned before (its text is already what may
+    be shown: see _completion_text)."""
     start_tok, start_text = state.sent_tokens[k], state.sent_text[k]
-    text_end = len(full.text)
-    if not done and full.text.endswith(INCOMPLETE):
-        text_end = len(full.text.rstrip(INCOMPLETE))
-    state.sent_tokens[k], state.sent_text[k] = len(full.token_ids), text_end
+    state.sent_tokens[k], state.sent_text[k] = len(full.token_ids), max(start_text, len(full.text))
     full.token_ids = full.token_ids[start_tok:]
-    full.text = full.text[start_text:text_end]
+    full.text = full.text[start_text:]
     if full.logprobs is not None:
         full.logprobs = full.logprobs[start_tok:]
+    if full.sampling_mask is not None:
+        mask = full.sampling_mask
+        cut = mask.offsets[start_tok]
+        full.sampling_mask = SamplingMask(mask.token_ids[cut:], [o - cut for o in mask.offsets[start_tok:]])
     return full
 
 
@@ -178,7 +188,11 @@ def _logprob_dict(step: dict[int, tuple[float, int]], inputs, detokenize: bool =
 
 def _completion_text(request: Request, inputs) -> str:
     """The output's text: empty without detokenize; cut at the stop string when one ended it;
-    else the tokens decoded, less the EOS or stop token that ended the request (as vLLM)."""
+    else the tokens decoded, less the EOS or stop token that ended the request (as vLLM).
+
+    A running request shows only text its final output will keep, so that CUMULATIVE texts
+    only grow and DELTA texts join into the final one: it holds back a character whose
+    first bytes alone have arrived, and an end that could begin a stop string."""
     params = request.params
     if not params.detokenize:
         return ""
@@ -187,7 +201,13 @@ def _completion_text(request: Request, inputs) -> str:
     ids = request.output_token_ids
     if request.finish_reason == "stop" and not params.include_stop_str_in_output:
         ids = ids[:-1]
-    return inputs.decode(ids, skip_special_tokens=params.skip_special_tokens)
+    text = inputs.decode(ids, skip_special_tokens=params.skip_special_tokens)
+    if request.finish_reason is not None:
+        return text
+    text = text.rstrip(INCOMPLETE)
+    if params.stop and not params.include_stop_str_in_output:
+        text = text[:len(text) - held_back(text, params.stop)]
+    return text
 
 
 def _completion(index: int, request: Request, inputs) -> CompletionOutput:
@@ -196,9 +216,9 @@ def _completion(index: int, request: Request, inputs) -> CompletionOutput:
     if request.logprobs is not None:
         logprobs = [_logprob_dict(step, inputs, request.params.detokenize) for step in request.logprobs]
         cumulative = sum(step[token].logprob for step, token in zip(logprobs, request.output_token_ids))
-    return CompletionOutput(index, text, list(request.output_token_ids), request.finish_reason, logprobs,
-                            cumulative, request.stop_reason, _sampling_mask(request),
-                            routed_experts=_routed_experts(request))
+    return CompletionOutput(index, text, list(request.output_token_ids), cumulative, logprobs,
+                            _routed_experts(request), request.finish_reason, request.stop_reason,
+                            sampling_mask=_sampling_mask(request))
 
 
 def _sampling_mask(request: Request) -> SamplingMask | None:

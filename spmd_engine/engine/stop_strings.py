@@ -19,6 +19,21 @@ from spmd_engine.core.request import Request
 INCOMPLETE = "\ufffd"  # what a decoder returns for the first bytes of a character split across tokens
 
 
+def held_back(text: str, stops: list[str]) -> int:
+    """How many characters at the end of a running request's text could be the start of a stop
+    string (the longest end of it that begins one; at most the longest stop string less one).
+    A streamed output holds them back: if the stop string completes, the final text drops
+    them, and text already sent cannot be taken back. vLLM holds back that many characters
+    whatever they are; this holds back only a possible start, so the rest streams at once."""
+    longest = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:n]):
+                longest = n
+                break
+    return longest
+
+
 class StopStringWatcher:
     """Keeps `request.output_text` for requests with stop strings, and says when one appears."""
 

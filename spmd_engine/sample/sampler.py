@@ -209,24 +209,37 @@ def _processed_values(x: torch.Tensor, states: list[RequestState], rows: list[in
 
 def logprob_entries(logits: torch.Tensor, tokens: torch.Tensor, counts: list[int], normalize: bool = True,
                     invariant: bool = False):
-    """Per row {token id: (logprob, rank)}: the row's top `count` tokens of log_softmax(logits)
-    (or of the logits themselves when not `normalize`) plus the given token, rank 1 the most
-    likely. `invariant`: batch_invariant.log_softmax, a row's value whatever the other rows."""
+    """Per row {token id: (logprob, rank)} built as vLLM builds it, so code that reads the dict
+    in order (or by rank) sees what it would see there: the given (sampled or prompt) token
+    first, then the row's top `count` (-1: the whole vocabulary), most likely first.
+
+    Ranks are vLLM's: the given token's is how many of the row's values are >= its own (a tie
+    ranks it after the tokens it ties with), a top-K entry's is its place in the top K, and a
+    given token that is among the top K takes that place (vLLM writes it into the dict twice).
+    Ranks and the top K are taken on `logits`, as vLLM's, then valued in log_softmax(logits)
+    (or in the logits themselves when not `normalize`). `invariant`: batch_invariant's
+    log_softmax, a row's value whatever the other rows."""
+    x = logits.float()
     if normalize:
-        log_softmax = bi.log_softmax if invariant else (lambda x: torch.log_softmax(x, dim=-1))
-        logp = log_softmax(logits.float())
+        log_softmax = bi.log_softmax if invariant else (lambda v: torch.log_softmax(v, dim=-1))
+        logp = log_softmax(x)
     else:
-        logp = logits.float()
-    chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
-    ranks = (logp > chosen.unsqueeze(1)).sum(dim=1) + 1
-    kmax = min(max(counts), logp.shape[-1])
-    top_vals, top_ids = (logp.topk(kmax, dim=-1) if kmax else (logp[:, :0], logp[:, :0].long()))
-    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+        logp = x
+    vocab = x.shape[-1]
+    counts = [vocab if k == -1 else min(k, vocab) for k in counts]
+    given = tokens.unsqueeze(1)
+    chosen = logp.gather(1, given).squeeze(1).tolist()
+    ranks = (x >= x.gather(1, given)).sum(dim=1).tolist()
+    kmax = max(counts, default=0)
+    top_ids = top_vals = None
+    if kmax:
+        top = x.topk(kmax, dim=-1).indices
+        top_ids, top_vals = top.tolist(), logp.gather(1, top).tolist()
     out = []
-    for row, (token, value, rank, k) in enumerate(zip(tokens.tolist(), chosen.tolist(), ranks.tolist(), counts)):
-        entry = {i: (v, r) for r, (i, v) in enumerate(zip(top_ids[row][:k], top_vals[row][:k]), start=1)}
-        if token not in entry:
-            entry[token] = (value, rank)
+    for row, (token, value, rank, k) in enumerate(zip(tokens.tolist(), chosen, ranks, counts)):
+        entry = {token: (value, rank)}
+        if k:
+            entry.update((i, (v, r)) for r, (i, v) in enumerate(zip(top_ids[row][:k], top_vals[row][:k]), start=1))
         out.append(entry)
     return out
 

@@ -57,7 +57,7 @@ def test_bundled_model_recites_at_layout(layout):
     cases = line_prompts()
     assert len(cases) == 19 and all(len(expected) == NEW_TOKENS for _, expected in cases)
     with LLM(max_num_seqs=len(cases), **layout) as llm:
-        outs = llm.generate([p for p, _ in cases], SamplingParams(max_tokens=NEW_TOKENS))
+        outs = llm.generate([p for p, _ in cases], SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))
     assert not recitation_problems(cases, outs)
 
 
@@ -68,7 +68,8 @@ def test_recitation_check_catches_early_stop_and_missing_output():
     cases = line_prompts()[:3]
 
     def out(tokens, reason):
-        return RequestOutput("0", "", [], [CompletionOutput(0, "", list(tokens), reason)])
+        return RequestOutput("0", "", [], None, [CompletionOutput(0, "", list(tokens), None, None,
+                                                                  finish_reason=reason)], True)
     good = [out(expected, "length") for _, expected in cases]
     assert not recitation_problems(cases, good)
     stopped = [*good[:2], out([*cases[2][1][:10], 257], "stop")]

@@ -11,15 +11,15 @@ from spmd_engine.sample.sampler import RequestState, Sampler, greedy_tokens
 from spmd_engine.sampling_params import SamplingParams
 
 
-def test_greedy_is_argmax_and_logprobs_hold_top_k_plus_sampled():
+def test_greedy_is_argmax_and_logprobs_hold_sampled_then_top_k():
     s = Sampler()
-    s.add_request("a", SamplingParams(logprobs=2), seed=0)
+    s.add_request("a", SamplingParams(logprobs=2, temperature=0.0), seed=0)
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
     out = s.sample(["a"], logits)
     tokens, logprobs = out.token_ids, out.logprobs
     assert tokens == [1]
     expected = torch.log_softmax(logits[0], -1)
-    assert set(logprobs[0]) == {1, 3}
+    assert list(logprobs[0]) == [1, 3]  # the sampled token first, then the top 2 (itself again)
     assert logprobs[0][3] == (pytest.approx(float(expected[3])), 2)  # (logprob, rank)
     assert logprobs[0][1] == (pytest.approx(float(expected[1])), 1)
     # logprobs=0: the sampled token alone, with its rank in the distribution.
@@ -28,7 +28,7 @@ def test_greedy_is_argmax_and_logprobs_hold_top_k_plus_sampled():
     tokens, logprobs = out.token_ids, out.logprobs
     (token,) = tokens
     assert list(logprobs[0]) == [token]
-    assert logprobs[0][token][1] == int((expected > expected[token]).sum()) + 1
+    assert logprobs[0][token][1] == int((expected >= expected[token]).sum())
 
 
 def test_plain_greedy_rows_take_the_short_path_with_the_general_paths_result():
@@ -120,7 +120,7 @@ def test_top_k_1_and_tiny_top_p_are_greedy():
 
 
 @pytest.mark.parametrize("kwargs", [{"max_tokens": 0}, {"temperature": -1}, {"top_p": 0}, {"top_p": 1.5},
-                                    {"top_k": -2}, {"logprobs": -1}])
+                                    {"top_k": -2}, {"logprobs": -2}, {"prompt_logprobs": -2}])
 def test_invalid_sampling_params(kwargs):
     with pytest.raises(ConfigError):
         SamplingParams(**kwargs)
@@ -200,7 +200,7 @@ def test_seeded_draws_do_not_depend_on_batch_composition_at_scale():
     logits = torch.randn(4, vocab) * 0.3  # flat: the top 20 share the mass
     params = {"a": SamplingParams(temperature=0.8, top_k=20, top_p=0.9),
               "b": SamplingParams(temperature=0.8, top_k=20, top_p=0.9),
-              "g": SamplingParams(),
+              "g": SamplingParams(temperature=0.0),
               "p": SamplingParams(temperature=1.0, repetition_penalty=1.3, min_tokens=2)}
     rows = {"a": 0, "b": 1, "g": 2, "p": 3}
 
@@ -222,7 +222,7 @@ def test_penalties_match_a_hand_computation():
     torch.manual_seed(4)
     vocab = 12
     logits = torch.randn(2, vocab) * 2
-    p = SamplingParams(repetition_penalty=1.7, frequency_penalty=0.4, presence_penalty=0.3)
+    p = SamplingParams(temperature=0.0, repetition_penalty=1.7, frequency_penalty=0.4, presence_penalty=0.3)
     state = RequestState(p, 0, prompt_token_ids=[1, 2, 2], output_token_ids=[2, 3, 3, 3, 11])
     x = logits.clone()
     apply_penalties(x, [1], [state])
@@ -239,7 +239,7 @@ def test_penalties_match_a_hand_computation():
 def test_min_tokens_masks_stop_ids_then_lets_them_through():
     logits = torch.tensor([[0.0, 5.0, 1.0, 4.0]])  # greedy picks 1, then 3 once 1 is masked
     s = Sampler()
-    s.add_request("r", SamplingParams(min_tokens=2, max_tokens=4), seed=0, stop_ids=[1, 9])
+    s.add_request("r", SamplingParams(temperature=0.0, min_tokens=2, max_tokens=4), seed=0, stop_ids=[1, 9])
     assert [s.sample(["r"], logits).token_ids[0] for _ in range(3)] == [3, 3, 1]
 
 
