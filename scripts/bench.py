@@ -398,7 +398,7 @@ def fig_capacity(args) -> None:
     llm = LLM(model=model_dir, max_model_len=max_len, distributed_executor_backend="uni", kv_cache_memory_bytes=budget)
     try:
         prompts = prompts_for(64, 32, LLAMA_SHAPE["vocab_size"])
-        outs = llm.generate(prompts, SamplingParams(max_tokens=32, ignore_eos=True))
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
         assert all(len(o.outputs[0].token_ids) == 32 for o in outs)
         stats = llm.get_stats()[0]
     finally:
@@ -447,14 +447,14 @@ def worst_decode_gap(llm, long_prompt: int, decodes: int = 7) -> tuple[float, in
     from spmd_engine import SamplingParams
     from spmd_engine.core.request import Request
     engine = llm.llm_engine.engine_core  # the EngineCore: its requests' tokens are read as they grow
-    short = [Request(f"short{i}", ids, SamplingParams(max_tokens=4096, ignore_eos=True), seed=i)
+    short = [Request(f"short{i}", ids, SamplingParams(temperature=0.0, max_tokens=4096, ignore_eos=True), seed=i)
              for i, ids in enumerate(prompts_for(decodes, 32, LLAMA_SHAPE["vocab_size"]))]
     for r in short:
         engine.add_request(r)
     for _ in range(4):  # every short request is decoding
         engine.step()
     long = Request("long", prompts_for(1, long_prompt, LLAMA_SHAPE["vocab_size"])[0],
-                   SamplingParams(max_tokens=1, ignore_eos=True), seed=0)
+                   SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), seed=0)
     engine.add_request(long)
     last = {r.request_id: (time.perf_counter(), len(r.output_token_ids)) for r in short}
     worst, steps = 0.0, 0
@@ -622,7 +622,7 @@ def pp_vs_uni(args, prompts, new: int, fresh_prefill: bool, partition: str | Non
                 par_gloo = LLM(pipeline_parallel_size=2, distributed_executor_backend="mp", **engine_kw)
             finally:
                 os.environ.pop(DISABLE_HANDOFF)
-            same = SamplingParams(max_tokens=8, ignore_eos=True)
+            same = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
             want = [o.outputs[0].token_ids for o in uni.generate(prompts, same)]
             for engine in (par, par_gloo):
                 assert [o.outputs[0].token_ids for o in engine.generate(prompts, same)] == want, "PP changed the output"
@@ -708,7 +708,7 @@ def fig_mixed(args) -> None:
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="paged|sdpa").eval()
     gen = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
     llm = LLM(model=model_dir, dtype="bfloat16", distributed_executor_backend="uni")  # default settings
-    sp = SamplingParams(max_tokens=new, ignore_eos=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
 
     def ours(prompts):
         t = time.perf_counter()
@@ -758,13 +758,13 @@ def fig_batch_invariant(args) -> None:
     new = 16 if args.quick else 64
     decode = prompts_for(8, 32, LLAMA_SHAPE["vocab_size"])
     mixed = mixed_prompts(16 if args.quick else 64, LLAMA_SHAPE["vocab_size"])
-    sp = SamplingParams(max_tokens=new, ignore_eos=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
     for dtype in ("float32", "bfloat16"):
         rates = {}
         for invariant in (False, True):
             llm = LLM(model=model_dir, dtype=dtype, distributed_executor_backend="uni", batch_invariant=invariant)
             try:
-                llm.generate(decode[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+                llm.generate(decode[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
                 for name, prompts in (("decode_b8", decode), ("mixed", mixed)):
                     runs = []
                     for _ in range(1 if args.quick else args.reps):
@@ -1070,7 +1070,7 @@ def fig_wave(args) -> None:
 
     def run(tokens: int) -> float:
         t = time.perf_counter()
-        llm.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True))
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
         return time.perf_counter() - t
 
     def dummies(n: int = 50) -> float:
@@ -1105,7 +1105,7 @@ def fig_sampling(args) -> None:
     torch.manual_seed(0)
     logits = (torch.randn(batch, vocab) * 2).to(device)
     ids = [f"r{i}" for i in range(batch)]
-    kinds = {"greedy": SamplingParams(), "top_k_top_p": SamplingParams(temperature=0.8, top_k=50, top_p=0.9),
+    kinds = {"greedy": SamplingParams(temperature=0.0), "top_k_top_p": SamplingParams(temperature=0.8, top_k=50, top_p=0.9),
              "temperature_only": SamplingParams(temperature=1.0)}
     samplers = {}
     for kind, params in kinds.items():
@@ -1194,7 +1194,7 @@ def fig_greedy_engine(args) -> None:
                 for kind, f in (("argmax", argmax), ("ours", ours)):
                     sampler.greedy_tokens = f
                     t0 = time.perf_counter()
-                    outs = llm.generate(prompts, SamplingParams(max_tokens=new, ignore_eos=True))
+                    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True))
                     rates[kind].append(batch * new / (time.perf_counter() - t0))
                     tokens[kind] = [o.outputs[0].token_ids for o in outs]
             llm.shutdown()

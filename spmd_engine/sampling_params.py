@@ -2,11 +2,26 @@
 
 from __future__ import annotations
 
+import copy
 import enum
+import logging
 import math
 from dataclasses import dataclass
 
 from spmd_engine.config import ConfigError
+
+logger = logging.getLogger("spmd_engine")
+
+# vLLM's thresholds: a temperature below SAMPLING_EPS is greedy; one in (0, MIN_TEMPERATURE) is raised
+# to MIN_TEMPERATURE, since dividing logits by it overflows.
+SAMPLING_EPS, MIN_TEMPERATURE = 1e-5, 1e-2
+
+
+class SamplingType(enum.IntEnum):
+    """vLLM's: how a request's tokens are drawn."""
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
 
 
 class RequestOutputKind(enum.Enum):
@@ -20,7 +35,10 @@ class RequestOutputKind(enum.Enum):
 
 @dataclass
 class SamplingParams:
-    """vLLM's names and meanings. temperature 0 is greedy; top_k -1 or 0 means no limit.
+    """vLLM's names, defaults and meanings: temperature 1.0 unless asked (0 is greedy, below
+    0.01 is raised to 0.01); top_k 0 or -1 means no limit; max_tokens None runs up to the
+    model's context; seed None or -1 means unseeded; logprobs True is 1, -1 the whole
+    vocabulary (LLM(max_logprobs=...) bounds it, as in vLLM).
 
     `seed` fixes this request's random stream, so it gets the same tokens
     whichever replica or batch it lands in. Left as None, the request draws a
@@ -60,51 +78,66 @@ class SamplingParams:
     request as it runs; `generate` always returns final outputs.
     """
 
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
-    logprobs: int | None = None
-    ignore_eos: bool = False
+    # vLLM's fields, in vLLM's order (a positional call lands where it would in vLLM).
     n: int = 1  # samples per prompt: RequestOutput.outputs[0..n-1]
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
-    prompt_logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    watermarking: bool | None = None  # vLLM's output watermark: refused when set
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
     stop: str | list[str] | None = None  # normalised to a list of strings
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    detokenize: bool = True
-    allowed_token_ids: list[int] | None = None
-    logit_bias: dict[int, float] | None = None
+    stop_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
-    return_sampling_mask: bool = False
+    thinking_token_budget: int | None = None  # refused when set (no reasoning parser here)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    stream_interval: int | None = None
+    structured_outputs: object | None = None  # refused when set (no grammar backend yet)
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    extra_args: dict | None = None  # carried for custom logits processors; read by none here
+    skip_clone: bool = False
+    # This engine's own.
+    return_sampling_mask: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ConfigError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0 or self.temperature != self.temperature:
-            raise ConfigError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        mt = self.max_tokens
+        if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int) or mt < 1):
+            raise ConfigError(f"max_tokens must be an integer >= 1 or None (up to max_model_len), got {mt!r}")
+        self._check_temperature()
+        if self.seed == -1 and not isinstance(self.seed, bool):
+            self.seed = None  # vLLM: -1 is "no seed"
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ConfigError(f"top_k must be -1 or 0 (no limit) or an integer >= 1, got {self.top_k!r}")
+            raise ConfigError(f"top_k must be 0 or -1 (no limit) or an integer >= 1, got {self.top_k!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")
+            if value is True:
+                value = 1  # vLLM: True asks for the one sampled token's logprob
+                setattr(self, name, value)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < -1):
+                raise ConfigError(f"{name} must be an integer >= 0, or -1 (the whole vocabulary), got {value!r}")
+        self._check_unsupported()
         _check_number("min_p", self.min_p, lambda v: 0 <= v <= 1, "in [0, 1]")
         _check_number("repetition_penalty", self.repetition_penalty, lambda v: v > 0, "> 0")
         _check_number("presence_penalty", self.presence_penalty, lambda v: -2 <= v <= 2, "in [-2, 2]")
         _check_number("frequency_penalty", self.frequency_penalty, lambda v: -2 <= v <= 2, "in [-2, 2]")
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise ConfigError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ConfigError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.stop_token_ids is not None:
             ids = self.stop_token_ids
@@ -120,6 +153,48 @@ class SamplingParams:
             raise ConfigError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         self._check_stop()
         self._check_processors()
+        if self.greedy:  # as vLLM: the filters mean nothing to an argmax
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    def _check_temperature(self) -> None:
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or not 0 <= t <= 2:
+            raise ConfigError(f"temperature must be a number in [0, 2], got {t!r}")
+        if 0 < t < MIN_TEMPERATURE:
+            logger.warning("temperature %s is below %s, which overflows the scaled logits: raised to %s "
+                           "(vLLM does the same)", t, MIN_TEMPERATURE, MIN_TEMPERATURE)
+            self.temperature = MIN_TEMPERATURE
+
+    def _check_unsupported(self) -> None:
+        """vLLM's fields that would change a result and that this engine does not implement: a
+        one-line error naming each, never a silent default."""
+        unsupported = {"watermarking": self.watermarking is not None and self.watermarking is not False,
+                       "thinking_token_budget": self.thinking_token_budget is not None,
+                       "structured_outputs": self.structured_outputs is not None,
+                       "spaces_between_special_tokens": self.spaces_between_special_tokens is not True}
+        for name, set_ in unsupported.items():
+            if set_:
+                raise ConfigError(f"SamplingParams.{name}={getattr(self, name)!r} is not supported by spmd_engine")
+        si = self.stream_interval
+        if si is not None and (isinstance(si, bool) or not isinstance(si, int) or si < 1):
+            raise ConfigError(f"stream_interval must be an integer >= 1, got {si!r}")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ConfigError(f"extra_args must be a dict, got {self.extra_args!r}")
+
+    @classmethod
+    def from_optional(cls, **kwargs) -> "SamplingParams":
+        """vLLM's: None for any argument means its default (what a generation config left unset)."""
+        return cls(**{k: v for k, v in kwargs.items() if v is not None})
+
+    def clone(self) -> "SamplingParams":
+        """A copy the engine may change (vLLM's: deep unless skip_clone)."""
+        return copy.copy(self) if self.skip_clone else copy.deepcopy(self)
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.greedy:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
 
     def _check_processors(self) -> None:
         ids = self.allowed_token_ids
@@ -154,7 +229,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < SAMPLING_EPS
 
     @property
     def bad_words_token_ids(self) -> list[list[int]] | None:

@@ -53,10 +53,10 @@ def main() -> None:
             started += 1
         if step == update_at and not updated:  # every rank of the replica calls these together
             llm.pause_generation(mode="keep")
-            llm.start_weight_update(1)
+            llm.start_weight_update()
             state_dict = load_file(ModelConfig().model_dir + "/model.safetensors")  # the trainer's new policy
             llm.collective_rpc("load_weights", args=(list(state_dict.items()),))
-            llm.finish_weight_update()
+            llm.finish_weight_update(1)
             llm.reset_prefix_cache(reset_running_requests=True)  # running requests recompute their KV
             llm.resume_generation()
             updated = True

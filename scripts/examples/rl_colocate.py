@@ -199,9 +199,9 @@ def main(argv=None) -> list[float]:
         if not args.no_weight_sync:
             # A versioned push: no rank serves a half-written policy, and each rollout after it
             # says which policy produced it (RequestOutput.weight_version).
-            llm.start_weight_update(step + 1)
+            llm.start_weight_update()
             engine_model.load_weights(model.state_dict().items())  # full tensors, HF names
-            llm.finish_weight_update()
+            llm.finish_weight_update(step + 1)
         llm.wake_up(tags=["kv_cache"])
         llm.reset_prefix_cache()  # cached prefixes hold keys and values of the old weights
 

@@ -26,14 +26,14 @@ from spmd_engine.config import (
     SchedulerConfig,
 )
 from spmd_engine.engine.dp_waves import needs_dp_waves
-from spmd_engine.engine.vllm_args import none_means_default
+from spmd_engine.engine.vllm_args import accept_vllm_kwargs, none_means_default
 from spmd_engine.worker import kv_sizing
 
 logger = logging.getLogger("spmd_engine")
 
 
 @dataclass
-class EngineArgs:
+class _EngineArgFields:
     """vLLM's names, meanings and defaults (None for a sizing argument means its default)."""
 
     model: str | None = None
@@ -65,6 +65,24 @@ class EngineArgs:
     batch_invariant: bool | None = None  # None: VLLM_BATCH_INVARIANT decides
     enforce_eager: bool | None = None  # None: SPMD_ENGINE_ENFORCE_EAGER decides (default: compiled)
     compilation_config: object = None  # vLLM's forms: a level, a dict, JSON text (CompilationConfig.parse)
+    skip_tokenizer_init: bool = False  # vLLM's: no tokenizer; token-id prompts, outputs without text
+    max_logprobs: int = 20  # vLLM's: the most logprobs a request may ask for (-1: the vocabulary)
+    generation_config: str = "auto"  # vLLM's: where default sampling parameters come from
+    override_generation_config: dict | None = None
+    enable_sleep_mode: bool = False
+    admission: str = "identical"  # this engine's own (engine/admission.py)
+
+
+class EngineArgs(_EngineArgFields):
+    """vLLM's EngineArgs: this engine's arguments, and vLLM's others accepted by name (ignored
+    with one warning when they cannot change a result, refused when they would: vllm_args.py),
+    so `EngineArgs(...)` written for vLLM builds here too."""
+
+    def __init__(self, *args, **kwargs):
+        known = {f.name for f in fields(_EngineArgFields)}
+        accept_vllm_kwargs({k: kwargs.pop(k) for k in list(kwargs) if k not in known}, "EngineArgs",
+                           kwargs.get("model", args[0] if args else None))
+        super().__init__(*args, **kwargs)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
@@ -101,9 +119,15 @@ class EngineArgs:
                                    load_format=self.load_format, logprobs_mode=self.logprobs_mode,
                                    enable_return_routed_experts=self.enable_return_routed_experts,
                                    batch_invariant=bool(self.batch_invariant) or envs.batch_invariant())
-        inputs = InputProcessor(model_config.model_dir, self.max_model_len)
+        inputs = InputProcessor(model_config.model_dir, self.max_model_len,
+                                skip_tokenizer_init=bool(self.skip_tokenizer_init))
+        inputs.max_logprobs = checked_max_logprobs(self.max_logprobs, inputs.vocab_size)
+        from spmd_engine.engine.generation_config import default_sampling_kwargs
+        inputs.default_sampling_kwargs = default_sampling_kwargs(
+            model_config.model_dir, self.generation_config, self.override_generation_config)
         source = os.path.join(model_config.model_dir, "config.json")
         spec = check_layout(inputs.hf_config, parallel, source)
+        model_config.model_registration = registration_for_workers(spec.architecture, parallel)
         check_routed_experts(model_config, spec, source)
         if model_config.batch_invariant:
             check_batch_invariant(spec, parallel, source)
@@ -149,6 +173,27 @@ class EngineSetup:
     config: EngineConfig
     inputs: "InputProcessor"  # noqa: F821 (imported lazily: it reads tokenizers)
     spec: "ModelSpec"  # noqa: F821
+
+
+def registration_for_workers(arch: str, parallel: ParallelConfig) -> tuple | None:
+    """The user's ModelRegistry entry for `arch`, which the config carries to the workers.
+    Processes the engine starts receive it pickled (by reference): a class they could not
+    import is refused here, in one line, rather than as a worker's unpickling error."""
+    import pickle
+
+    from spmd_engine.model.registry import ModelRegistry
+    if ModelRegistry.user_registration(arch) is not None:
+        ModelRegistry.resolve_model_cls(arch)  # a "module:Class" that fails to import fails here
+    registration = ModelRegistry.user_registration(arch)
+    spawns = parallel.distributed_executor_backend == "mp" or parallel.spans_dp_world
+    if registration is not None and spawns and not isinstance(registration[1], str):
+        try:
+            pickle.dumps(registration[1])
+        except (pickle.PicklingError, AttributeError, TypeError) as exc:
+            raise ConfigError(f"ModelRegistry: {registration[1].__qualname__} (registered for {arch!r}) cannot "
+                              f"reach the worker processes ({exc}): define it at module level, or register "
+                              f"it as 'module:Class'") from None
+    return registration
 
 
 def check_async_scheduling(scheduler: SchedulerConfig, parallel: ParallelConfig) -> None:
@@ -219,6 +264,13 @@ def _cudagraph_mode(asked: str | None, eager: bool, device: str, model_config: M
         (logger.warning if asked else logger.info)("CUDA graphs: off (%s)", why)
         return "NONE"
     return asked or "FULL_DECODE_ONLY"
+
+
+def checked_max_logprobs(value: int, vocab_size: int) -> int:
+    """vLLM's max_logprobs: -1 allows the whole vocabulary."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+        raise ConfigError(f"max_logprobs must be an integer >= 0, or -1 (the vocabulary), got {value!r}")
+    return vocab_size if value == -1 else value
 
 
 def engine_seed(seed: int | None) -> int:

@@ -252,12 +252,13 @@ class EngineCore:
 
     def sleep(self, level: int) -> list[dict]:
         """Free the KV cache (and, by level, the weights) on every worker: only when no request
-        holds a block. The prefix cache is forgotten (its blocks' contents are gone)."""
+        holds a block (requests kept by pause "keep" gave theirs back and recompute their KV).
+        The prefix cache is forgotten (its blocks' contents are gone)."""
         unfinished = len(self.scheduler.running) + len(self.scheduler.waiting)
         if not unfinished:
             self.drain()  # steps still naming finished requests (aborted ones): before the KV goes
         kv = self.scheduler.kv
-        if unfinished or kv.num_free_blocks != kv.pool.num_blocks:
+        if kv.num_free_blocks != kv.pool.num_blocks:
             raise RuntimeError(f"cannot sleep: {unfinished} requests unfinished, "
                                f"{kv.pool.num_blocks - kv.num_free_blocks} KV blocks in use")
         self.scheduler.reset_prefix_cache()

@@ -115,3 +115,16 @@ class InProcClient(EngineCoreClient):
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
+
+
+def make_client(config: EngineConfig, inputs) -> EngineCoreClient:
+    """One EngineCore in this process (uni, mp at DP = 1, external_launcher) or one
+    EngineCore_DP{i} process per replica (DP > 1)."""
+    from spmd_engine.executor.abstract import Executor
+    pc = config.parallel_config
+    executor_class = Executor.get_class(config)
+    if pc.distributed_executor_backend == "external_launcher" or pc.data_parallel_size == 1:
+        from spmd_engine.engine.core import EngineCore
+        return InProcClient(EngineCore(config, executor_class, inputs.max_model_len, inputs.eos_token_ids))
+    from spmd_engine.engine.dp_client import DPEngineClient
+    return DPEngineClient(config, executor_class, inputs.max_model_len, inputs.eos_token_ids)

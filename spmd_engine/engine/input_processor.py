@@ -12,19 +12,25 @@ from spmd_engine.config import ConfigError
 
 
 class InputProcessor:
-    def __init__(self, model_dir: str, max_model_len: int | None = None):
+    def __init__(self, model_dir: str, max_model_len: int | None = None, skip_tokenizer_init: bool = False):
         """max_model_len defaults to the model's max_position_embeddings, as in vLLM; only the KV
-        budget limits it (an error naming the numbers when one such sequence cannot fit)."""
+        budget limits it (an error naming the numbers when one such sequence cannot fit).
+        `skip_tokenizer_init` (vLLM's): no tokenizer is read, as for a model without one, so
+        prompts are token ids and outputs carry ids and empty text; each refusal names it."""
         from spmd_engine.model.loader import read_hf_config
         from spmd_engine.model.spec import ModelSpec
         from spmd_engine.model.tokenizer import load_tokenizer
         self.hf_config = read_hf_config(model_dir)
         # Every field checked (one line naming config.json) before any is used here.
         spec = ModelSpec.from_hf_config(self.hf_config, os.path.join(model_dir, "config.json"))
-        try:
-            self.tokenizer, self._tokenizer_error = load_tokenizer(model_dir), None
-        except ConfigError as exc:  # token-id prompts still work without one
-            self.tokenizer, self._tokenizer_error = None, exc
+        self.skip_tokenizer_init = skip_tokenizer_init
+        if skip_tokenizer_init:
+            self.tokenizer, self._tokenizer_error = None, ConfigError("skip_tokenizer_init=True loads no tokenizer")
+        else:
+            try:
+                self.tokenizer, self._tokenizer_error = load_tokenizer(model_dir), None
+            except ConfigError as exc:  # token-id prompts still work without one
+                self.tokenizer, self._tokenizer_error = None, exc
         positions = spec.max_position_embeddings
         if max_model_len is not None and max_model_len < 1:
             raise ConfigError(f"max_model_len must be at least 1, got {max_model_len}")
@@ -35,26 +41,32 @@ class InputProcessor:
         self.vocab_size = spec.vocab_size
         self.eos_token_ids = eos_token_ids(model_dir, self.hf_config, self.tokenizer)
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
+        self.max_logprobs = 20  # EngineArgs sets both (vLLM's max_logprobs, generation_config)
+        self.default_sampling_kwargs: dict = {}
 
-    def encode(self, prompt, index: int) -> tuple[str | None, list[int]]:
+    def encode(self, prompt, index: int, tokenization_kwargs: dict | None = None) -> tuple[str | None, list[int]]:
         """(text or None, token ids) for a string, a list of token ids, or vLLM's prompt dicts
-        {"prompt": text} / {"prompt_token_ids": ids}; raises ConfigError."""
+        {"prompt": text} / {"prompt_token_ids": ids}, cut as `tokenization_kwargs` asks
+        (engine/tokenization.py); raises ConfigError."""
+        from spmd_engine.engine.tokenization import Tokenization
+        cut = Tokenization.parse(tokenization_kwargs, self.max_model_len)
         if isinstance(prompt, dict):
             prompt = _from_prompt_dict(prompt, index)
             if isinstance(prompt, tuple):  # token ids, with the text they came from if given
                 text, ids = prompt
-                return text, self.encode(ids, index)[1]
+                return text, self.encode(ids, index, tokenization_kwargs)[1]
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ConfigError(f"text prompts need a tokenizer: {self._tokenizer_error}; "
                                   f"give prompt_token_ids instead")
-            text, ids = prompt, self.tokenizer.encode(prompt)
+            text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=cut.add_special_tokens)
         else:
             text, ids = None, [int(t) for t in prompt]
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise ConfigError(f"prompt {index}: token id {bad[0]} outside the vocabulary "
                                   f"[0, {self.vocab_size})")
+        ids = cut.truncate(ids)
         if not ids:
             raise ConfigError(f"prompt {index} is empty")
         if len(ids) >= self.max_model_len:
@@ -63,7 +75,17 @@ class InputProcessor:
         return text, ids
 
     def check_params(self, params, index: int) -> None:
-        """Token ids in the sampling params against the vocabulary, and bad_words tokenized."""
+        """Token ids in the sampling params against the vocabulary, the logprobs asked for
+        against max_logprobs (vLLM's message), and bad_words tokenized."""
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            asked = self.vocab_size if asked == -1 else asked
+            if asked and asked > self.max_logprobs:
+                raise ConfigError(f"prompt {index}: requested {name.replace('_', ' ')} of {asked}, which is "
+                                  f"greater than max allowed: {self.max_logprobs} (LLM(max_logprobs=...))")
+        if params.stop and self.skip_tokenizer_init:  # text is never decoded, so never matched
+            raise ConfigError(f"prompt {index}: stop strings need the detokenizer, which skip_tokenizer_init=True "
+                              f"turns off: use stop_token_ids")
         for name, ids in (("allowed_token_ids", params.allowed_token_ids), ("logit_bias", params.logit_bias)):
             bad = [t for t in ids or () if t >= self.vocab_size]
             if bad:

@@ -14,11 +14,10 @@ from typing import Any, Callable, Sequence
 from spmd_engine import topology
 from spmd_engine.config import DEFAULT_MAX_NUM_SEQS, ConfigError
 from spmd_engine.engine.arg_utils import EngineArgs, EngineSetup
-from spmd_engine.engine.core_client import EngineCoreClient, EngineDeadError, InProcClient
+from spmd_engine.engine.core_client import EngineDeadError
+from spmd_engine.engine.llm_engine import check_request_extras
 from spmd_engine.engine.output_processor import SEED_MASK
 from spmd_engine.engine.outputs import RequestOutput
-from spmd_engine.engine.vllm_args import accept_vllm_kwargs
-from spmd_engine.engine.weight_update import WeightUpdates
 from spmd_engine.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -28,7 +27,7 @@ def request_seed(engine_seed: int, index: int) -> int:
 
 
 class LLM:
-    def __init__(self, model: str | None = None, tensor_parallel_size: int = 1,
+    def __init__(self, model: str | None = None, *, tensor_parallel_size: int = 1,
                  pipeline_parallel_size: int = 1, data_parallel_size: int = 1,
                  prefill_context_parallel_size: int = 1, decode_context_parallel_size: int = 1,
                  distributed_executor_backend: str | type | None = None, seed: int | None = None,
@@ -41,25 +40,25 @@ class LLM:
                  async_scheduling: bool = False, load_format: str = "auto", enable_sleep_mode: bool = False,
                  logprobs_mode: str = "raw_logprobs", enable_return_routed_experts: bool = False,
                  admission: str = "identical", batch_invariant: bool | None = None,
-                 enforce_eager: bool | None = None, compilation_config=None, **vllm_kwargs):
-        """vLLM's arguments and meanings. `seed` is the engine seed (None: 0, as in vLLM):
-        requests without their own seed draw from a stream it starts, fresh on every generate
-        call; under external_launcher it must be the same on every rank of a replica
-        (checked). Other vLLM arguments are accepted and ignored, with one warning (see
-        vllm_args). As in vLLM, None for a sizing argument (trainers pass None for what their
-        user left unset) means its default. `enable_return_routed_experts` (MoE only): each
-        output's `routed_experts`, the experts every computed position was routed to (docs/moe.md).
-        `admission` (external_launcher): "identical", every rank of a replica adds the same
-        requests (checked each step), or "rank0", only its first rank does (engine/admission.py).
-        `batch_invariant=True` (or VLLM_BATCH_INVARIANT=1): bitwise reproducible outputs
-        whatever the batch, cache and layout (README, batch-invariant mode).
-        `enforce_eager` / `compilation_config` (vLLM's): by default the decoder layers run
-        through torch.compile on CPU; enforce_eager=True, or compilation_config=0, keeps eager
-        (docs/running.md, compiled forward). `async_scheduling` (vLLM's): the next step is
-        scheduled while one runs (any layout without PP; docs/running.md, async scheduling)."""
-        accept_vllm_kwargs(vllm_kwargs)
+                 enforce_eager: bool | None = None, compilation_config=None, max_logprobs: int = 20,
+                 generation_config: str = "auto", override_generation_config: dict | None = None,
+                 chat_template: str | None = None, skip_tokenizer_init: bool = False, **vllm_kwargs):
+        """vLLM's arguments, defaults and meanings (docs/vllm-compatibility.md lists each). `seed` is
+        the engine seed (None: 0, as in vLLM): requests without their own seed draw from a stream
+        it starts, fresh on every generate call; under external_launcher it must be the same on
+        every rank of a replica (checked). As in vLLM, None for a sizing argument means its
+        default. `generation_config="auto"` takes the checkpoint's generation_config.json
+        sampling values as the defaults of generate/chat without SamplingParams ("vllm": none).
+        `skip_tokenizer_init=True`: no tokenizer; token-id prompts, outputs without text.
+        `enable_return_routed_experts` (MoE only): each output's `routed_experts` (docs/moe.md).
+        `admission` (external_launcher, this engine's own): "identical", every rank of a replica
+        adds the same requests (checked each step), or "rank0", only its first rank does
+        (engine/admission.py). `batch_invariant=True` (or VLLM_BATCH_INVARIANT=1): bitwise
+        reproducible outputs whatever the batch, cache and layout. `enforce_eager` /
+        `compilation_config`: by default the decoder layers run through torch.compile on CPU
+        (docs/running.md). Other vLLM arguments are accepted and ignored with one warning when
+        they cannot change a result, refused by name when they would (engine/vllm_args.py)."""
         from spmd_engine.engine.admission import check_mode
-        self._admission = check_mode(admission)
         engine_args = EngineArgs(
             model=model, tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
             data_parallel_size=data_parallel_size, prefill_context_parallel_size=prefill_context_parallel_size,
@@ -73,32 +72,42 @@ class LLM:
             load_format=load_format,
             logprobs_mode="raw_logprobs" if logprobs_mode is None else logprobs_mode,
             enable_return_routed_experts=enable_return_routed_experts, batch_invariant=batch_invariant,
-            enforce_eager=enforce_eager, compilation_config=compilation_config)
-        self._start(engine_args.create_engine_config(), enable_sleep_mode)
+            enforce_eager=enforce_eager, compilation_config=compilation_config, max_logprobs=max_logprobs,
+            generation_config=generation_config, override_generation_config=override_generation_config,
+            enable_sleep_mode=enable_sleep_mode, admission=check_mode(admission),
+            skip_tokenizer_init=skip_tokenizer_init, **vllm_kwargs)
+        self._start(engine_args.create_engine_config(), engine_args.enable_sleep_mode, engine_args.admission)
+        self.chat_template = chat_template
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> "LLM":
+        """vLLM's: an LLM on EngineArgs (their vLLM-only arguments were checked when made)."""
+        llm = cls.__new__(cls)
+        llm._start(engine_args.create_engine_config(), engine_args.enable_sleep_mode, engine_args.admission)
+        llm.chat_template = None
+        return llm
 
     @classmethod
     def from_engine_setup(cls, setup: EngineSetup, enable_sleep_mode: bool = False) -> "LLM":
         """An LLM on a configuration already built and checked (the run CLI checks its
         prompts against it first)."""
         llm = cls.__new__(cls)
-        llm._admission = "identical"
-        llm._start(setup, enable_sleep_mode)
+        llm._start(setup, enable_sleep_mode, "identical")
+        llm.chat_template = None
         return llm
 
-    def _start(self, setup: EngineSetup, enable_sleep_mode: bool) -> None:
+    def _start(self, setup: EngineSetup, enable_sleep_mode: bool, admission: str) -> None:
+        from spmd_engine.engine.llm_engine import LLMEngine
         self.config, self.inputs, self.model_spec = setup.config, setup.inputs, setup.spec
         self.hf_config, self.tokenizer = self.inputs.hf_config, self.inputs.tokenizer
         self.max_model_len = self.inputs.max_model_len
         self.enable_sleep_mode = bool(enable_sleep_mode)
-        self._asleep: set[str] = set()  # the tags (weights, kv_cache) sleep gave back, until wake_up
-        self._weights_discarded = False  # sleep(2) ran: generate checks the workers loaded weights since
         self._generate_calls, self._next_request = 0, 0
-        self._engine = self._make_engine()
-        external = self.config.parallel_config.distributed_executor_backend == "external_launcher"
-        self._updates = WeightUpdates(self._engine, external)
-        from spmd_engine.engine.llm_engine import LLMEngine
-        self._llm_engine = LLMEngine(self._engine, self.inputs, self.config.seed, self._admission, external,
-                                     lambda: self._updates.version, self._check_can_generate)
+        self._llm_engine = LLMEngine.from_setup(setup, admission, enable_sleep_mode)
+        # The executor's owner: ends it at shutdown (an LLMEngine made by from_engine_args keeps its
+        # LLM alive through this reference).
+        self._llm_engine.front_end = self
+        self._engine = self._llm_engine._client
 
     @property
     def seed(self) -> int:
@@ -109,31 +118,43 @@ class LLM:
     def seed(self, value: int) -> None:
         self._llm_engine.seed = value
 
-    # -- construction -----------------------------------------------------------
-    def _make_engine(self) -> EngineCoreClient:
-        from spmd_engine.executor.abstract import Executor
+    # -- what vLLM's LLM answers ---------------------------------------------------------
+    def get_tokenizer(self):
+        return self._llm_engine.get_tokenizer()
+
+    def get_world_size(self, include_dp: bool = True) -> int:
+        """TP x PP, times DP when `include_dp` (vLLM's)."""
         pc = self.config.parallel_config
-        executor_class = Executor.get_class(self.config)
-        eos = self.inputs.eos_token_ids
-        if pc.distributed_executor_backend == "external_launcher" or pc.data_parallel_size == 1:
-            from spmd_engine.engine.core import EngineCore
-            return InProcClient(EngineCore(self.config, executor_class, self.max_model_len, eos))
-        from spmd_engine.engine.dp_client import DPEngineClient
-        return DPEngineClient(self.config, executor_class, self.max_model_len, eos)
+        size = pc.tensor_parallel_size * pc.pipeline_parallel_size * pc.prefill_context_parallel_size
+        return size * pc.data_parallel_size if include_dp else size
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The checkpoint's generation_config.json sampling values (generation_config="auto"), vLLM's
+        defaults for the rest: what generate and chat use when given no SamplingParams."""
+        return self._llm_engine.get_default_sampling_params()
 
     # -- generation ---------------------------------------------------------------
     def generate(self, prompts: str | dict | Sequence[str | dict | Sequence[int]],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool | Callable = False,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 use_tqdm: bool | Callable = False, lora_request=None, priority: int | Sequence[int] | None = None,
+                 tokenization_kwargs: dict | None = None, mm_processor_kwargs: dict | None = None,
                  progress: Callable[[int, int], None] | None = None,
                  on_output: Callable[[int, RequestOutput], None] | None = None) -> list[RequestOutput]:
         """Results complete and in input order. Prompts as vLLM takes them: a string, a list of
-        token ids, {"prompt": text}, {"prompt_token_ids": ids}, or a list mixing these.
-        `use_tqdm` (off by default here) shows a tqdm bar when tqdm is installed (a callable is
-        used as the tqdm class). `progress(requests, tokens)` is called as requests finish (from
-        every replica this process drives), for a progress display; `on_output(position,
-        output)` too, with each finished request (to stream results)."""
-        self._check_can_generate()
+        token ids, {"prompt": text}, {"prompt_token_ids": ids}, or a list mixing these; no
+        `sampling_params`: get_default_sampling_params(). `use_tqdm` (off by default here: under
+        torchrun every rank would draw a bar) shows a tqdm bar when tqdm is installed (a
+        callable is used as the tqdm class). `lora_request` (one, or one per prompt) must be
+        None until LoRA exists; `priority` 0 (no priority scheduling, as vLLM's default);
+        `tokenization_kwargs` cut long prompts (engine/tokenization.py). `progress(requests,
+        tokens)` is called as requests finish (from every replica this process drives), for a
+        progress display; `on_output(position, output)` too, with each finished request."""
+        if mm_processor_kwargs is not None:
+            raise ConfigError("mm_processor_kwargs: multimodal inputs are not supported by spmd_engine")
+        for one in _per_prompt(lora_request):
+            for p in _per_prompt(priority if priority is not None else 0):
+                check_request_extras(one, p)
+        self._llm_engine.check_can_generate()
         engine = self._llm_engine
         busy = engine.get_num_unfinished_requests()
         if busy:
@@ -144,7 +165,7 @@ class LLM:
         news = []
         if engine.takes_input and (_has_prompts(prompts) or not self.dp_waves):
             try:
-                news = self._new_requests(prompts, sampling_params, call)
+                news = self._new_requests(prompts, sampling_params, call, tokenization_kwargs)
             except Exception:
                 self._meet_replica_empty_handed()
                 raise
@@ -185,43 +206,27 @@ class LLM:
             except ConfigError:
                 pass
 
-    def _check_can_generate(self) -> None:
-        """Refuse to run the model on weights that are not a whole policy, or while asleep."""
-        if self._asleep:
-            raise RuntimeError(f"the engine is asleep ({', '.join(sorted(self._asleep))} given back by "
-                               f"llm.sleep()): call llm.wake_up() before generate")
-        self._updates.check_can_generate()
-        if self._weights_discarded:
-            missing = sorted({name for names in self._engine.collective_rpc("unwritten_weights") for name in names})
-            if missing and not any(self._engine.collective_rpc("weights_loaded_since_discard")):
-                raise RuntimeError("sleep(level=2) discarded the weights: load_weights(...) or "
-                                   "collective_rpc('reload_weights') before generate")
-            if missing:  # a half-done push would serve a mix of two policies
-                raise RuntimeError(f"sleep(level=2) discarded the weights and {len(missing)} tensors have not "
-                                   f"been loaded since (first: {missing[0]}): load_weights(...) every tensor, "
-                                   f"or collective_rpc('reload_weights'), before generate")
-            self._weights_discarded = False
-
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool | Callable = False, lora_request=None, chat_template: str | None = None,
-             chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
-             continue_final_message: bool = False, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None, mm_processor_kwargs=None) -> list[RequestOutput]:
+             use_tqdm: bool | Callable = False, lora_request=None, priority: int | Sequence[int] | None = None,
+             chat_template: str | None = None, chat_template_content_format: str = "auto",
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
+             tokenization_kwargs: dict | None = None, mm_processor_kwargs=None) -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (a list of {"role", "content"} messages) or a list of
-        them, rendered with the checkpoint's chat template (or `chat_template`, template text),
-        then generated as `generate` would; each RequestOutput's `prompt` is the rendered text.
-        See engine/chat_template.py for how a template is rendered."""
-        if lora_request is not None or mm_processor_kwargs is not None:
-            raise ConfigError("LLM.chat: LoRA and multimodal inputs are not supported")
+        them, rendered with `chat_template` (template text), else LLM(chat_template=...), else the
+        checkpoint's own, then generated as `generate` would; each RequestOutput's `prompt` is
+        the rendered text. See engine/chat_template.py for how a template is rendered."""
         from spmd_engine.engine.chat_template import chat_prompt, choose_template, normalize_messages
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         model_dir = self.config.model_config.model_dir
-        template = choose_template(model_dir, chat_template, tools)
+        template = choose_template(model_dir, chat_template or self.chat_template, tools)
         prompts = [chat_prompt(self.tokenizer, model_dir, normalize_messages(c, chat_template_content_format),
                                template, add_generation_prompt=add_generation_prompt,
                                continue_final_message=continue_final_message, tools=tools,
                                variables=chat_template_kwargs) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request,
+                             priority=priority, tokenization_kwargs=tokenization_kwargs,
+                             mm_processor_kwargs=mm_processor_kwargs)
 
     @property
     def dp_waves(self) -> bool:
@@ -230,7 +235,7 @@ class LLM:
         times, a replica without prompts with an empty list."""
         return self.config.dp_waves
 
-    def _new_requests(self, prompts, sampling_params, call: int) -> list:
+    def _new_requests(self, prompts, sampling_params, call: int, tokenization_kwargs=None) -> list:
         """Every prompt tokenized, checked and seeded before any is queued: a refused call
         queues nothing and draws nothing, so every rank's seed stream stays with the others'.
         Each gets id str(k), k counting over this LLM's generate calls, and FINAL_ONLY outputs."""
@@ -239,12 +244,12 @@ class LLM:
         prompts = list(prompts)
         if not prompts:
             raise ConfigError("no prompts given")
+        engine = self._llm_engine
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = engine.get_default_sampling_params()
         params_list = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ConfigError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
-        engine = self._llm_engine
         stream, first = engine.seed_stream.getstate(), self._next_request
         news = []
         try:
@@ -252,7 +257,7 @@ class LLM:
                 final = copy.copy(params)
                 final.output_kind = RequestOutputKind.FINAL_ONLY
                 news.append(engine.new_request(str(self._next_request), prompt, final, origin=(call, index),
-                                               index=index))
+                                               index=index, tokenization_kwargs=tokenization_kwargs))
                 self._next_request += 1
         except BaseException:
             engine.seed_stream.setstate(stream)
@@ -260,20 +265,17 @@ class LLM:
             raise
         return news
 
-    # -- the KV cache ---------------------------------------------------------------
-    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+    # -- the control surface trainers call (engine/llm_engine.py holds each) -----------------
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """Forget every cached prefix block (as vLLM: False while requests are running).
         `reset_running_requests=True`: running requests keep their tokens and recompute their KV
         when next scheduled (after a weight update their old KV is stale); it always succeeds."""
-        if not isinstance(reset_running_requests, bool):
-            raise ValueError(f"reset_running_requests must be True or False, got {reset_running_requests!r}")
-        return all(self._engine.call_core("reset_prefix_cache", reset_running_requests))
+        return self._llm_engine.reset_prefix_cache(reset_running_requests, reset_connector)
 
-    # -- pausing for a weight update mid-rollout (engine/pause.py) -------------------------
     def pause_generation(self, mode: str = "abort", clear_cache: bool = False) -> list[RequestOutput]:
-        """Stop generating: "abort" (partial outputs of every unfinished request, returned),
-        "wait" (run them to the end first; their outputs returned) or "keep" (they stay, with
-        their KV, and continue after resume_generation())."""
+        """Stop generating (engine/pause.py): "abort" (partial outputs of every unfinished request,
+        returned), "wait" (run them to the end first; their outputs returned) or "keep" (they
+        stay, with their KV, and continue after resume_generation())."""
         return self._llm_engine.pause_generation(mode, clear_cache)
 
     def resume_generation(self) -> None:
@@ -287,36 +289,20 @@ class LLM:
         counters, running / waiting gauges, latency histograms."""
         return self._llm_engine.outputs.stats.metrics(self.get_stats())
 
-    # -- sleep mode (colocated training takes the memory between rollouts) -------------
-    def sleep(self, level: int = 1) -> list[dict]:
-        """Give memory back: level 1 frees the KV cache (on CUDA the weights also move to host
-        memory), level 2 also discards the weights (restore them with load_weights or
-        collective_rpc("reload_weights") before generating). Refused while requests hold KV
-        blocks; the prefix cache is reset. Returns each worker's report (rss_before, rss_after,
-        freed_bytes; device_freed_bytes on CUDA)."""
-        if not self.enable_sleep_mode:
-            raise ConfigError("sleep needs LLM(..., enable_sleep_mode=True)")
-        if isinstance(level, bool) or level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 or 2, got level={level!r}")
-        reports = [r for replica in self._engine.call_core("sleep", level) for r in replica]
-        self._asleep = {"weights", "kv_cache"}
-        self._weights_discarded = self._weights_discarded or level == 2
-        return reports
+    def sleep(self, level: int = 1, mode: str = "abort", reset_connector: bool = True) -> list[dict]:
+        """vLLM's levels and modes (engine/sleep_mode.py): 0 pauses scheduling, 1 also frees the KV
+        cache, 2 also discards the weights (load them before generating). Returns each worker's
+        report (rss_before, rss_after, freed_bytes; device_freed_bytes on CUDA)."""
+        return self._llm_engine.sleep(level, mode, reset_connector)
 
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        """Bring back what sleep gave back: tags None (everything), ["weights"] or ["kv_cache"]
-        (vLLM's order for a weight update after sleep(2): weights, load them, then kv_cache)."""
-        if tags is None:
-            tags = ["weights", "kv_cache"]
-        if isinstance(tags, str) or not all(t in ("weights", "kv_cache") for t in tags):
-            raise ValueError(f"wake_up tags must be a list of 'weights' and/or 'kv_cache', got tags={tags!r}")
-        tags = list(tags)
-        self._engine.call_core("wake_up", tags)
-        self._asleep -= set(tags)
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Bring back "weights", "kv_cache" and/or "scheduling" (None: all); True once all are
+        back (vLLM's order for a weight update after sleep(2): weights, load them, kv_cache)."""
+        return self._llm_engine.wake_up(tags)
 
     @property
     def is_sleeping(self) -> bool:
-        return bool(self._asleep)
+        return self._llm_engine.is_sleeping()
 
     def get_stats(self) -> list[dict]:
         """Per replica this process drives: scheduler and block counters (steps, preemptions,
@@ -324,69 +310,51 @@ class LLM:
         runner counters under "runner" (tokens, prefill_tokens: prompt tokens computed)."""
         return self._engine.call_core("get_stats")
 
-    # -- workers ------------------------------------------------------------------
     @property
     def llm_engine(self):
-        """vLLM's `llm.llm_engine` (engine/llm_engine.py): add_request / step / abort_request;
-        with one replica here its `model_executor.driver_worker.model_runner.model` is this
-        rank's CausalLM (uni and external_launcher; under mp the model lives in the workers:
-        use collective_rpc)."""
+        """vLLM's `llm.llm_engine` (engine/llm_engine.py): add_request / step / abort_request, the
+        control calls; with one replica here its `model_executor.driver_worker.model_runner.model`
+        is this rank's CausalLM (uni and external_launcher; under mp the model lives in the
+        workers: use collective_rpc)."""
         return self._llm_engine
 
-    def collective_rpc(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None,
-                       unique_reply_rank: int | None = None) -> list[Any]:
-        """Call a Worker method on every worker of each replica this process drives. Besides the
+    def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict | None = None, *, unique_reply_rank: int | None = None) -> list[Any]:
+        """vLLM's: a Worker method on every worker of each replica this process drives. Besides the
         engine's own, `load_weights` ((HF name, full tensor) pairs: an in-place update) and
         `reload_weights` (from the model directory) are there for trainers; after either, call
-        `reset_prefix_cache()`, or cached blocks keep serving keys and values of the old weights."""
-        if method == "load_weights":
-            try:
-                args = (self._checked_weights(*args, **(kwargs or {})),)
-            except Exception as exc:
-                self._updates.note_load_error(exc)
-                raise
-            kwargs = None
-        return self._engine.collective_rpc(method, args, kwargs, unique_reply_rank)
+        `reset_prefix_cache()`, or cached blocks keep serving keys and values of the old weights.
+        `unique_reply_rank` (vLLM's executor argument): only that worker's reply."""
+        return self._llm_engine.collective_rpc(method, timeout, args, kwargs, unique_reply_rank=unique_reply_rank)
 
-    # -- versioned weight updates (engine/weight_update.py) ------------------------------
-    def start_weight_update(self, version: int | str) -> None:
-        """Begin pushing policy `version`: load_weights (any number of calls, here or on the
-        model itself) until finish_weight_update(); generate refuses in between. Under
-        external_launcher every rank of the replica calls both."""
-        self._updates.start(version)
+    def apply_model(self, func: Callable) -> list[Any]:
+        """vLLM's: func(model) on every worker's model."""
+        return self._llm_engine.call_workers("apply_model", (func,))
 
-    def finish_weight_update(self) -> int | str:
+    # -- versioned weight updates (engine/weight_update.py), vLLM's names -------------------
+    def start_weight_update(self) -> None:
+        """Begin pushing a policy: load_weights (any number of calls, here or on the model itself)
+        until finish_weight_update(); generate refuses in between. Under external_launcher
+        every rank of the replica calls both."""
+        self._llm_engine.start_weight_update()
+
+    def finish_weight_update(self, weight_version: int | str | None = None) -> None:
         """Complete the update on every rank, or fail it on every rank (RuntimeError naming the
         first rank's reason): then generate refuses until an update that writes every tensor
-        completes. Reset the prefix cache after it, as after any load."""
-        return self._updates.finish()
+        completes. `weight_version` names the new weights (None keeps the last name)."""
+        self._llm_engine.finish_weight_update(weight_version)
+
+    def get_weight_version(self) -> int | str:
+        """The last completed update's version ("default" before any, as vLLM)."""
+        return self._llm_engine.get_weight_version()
+
+    def update_weight_version(self, new_version: int | str) -> None:
+        self._llm_engine.update_weight_version(new_version)
 
     @property
     def weight_version(self) -> int | str | None:
-        """The version of the last completed update (None before any)."""
-        return self._updates.version
-
-    def _checked_weights(self, weights) -> list[tuple[str, Any]]:
-        """The pairs as a list, each name and full shape checked here, so a bad one is a ValueError
-        before any worker sees it (a worker's exception would fail an mp executor)."""
-        from collections.abc import Mapping
-
-        from spmd_engine.model.weights import hf_tensor_shapes, is_skipped_name
-        shapes = hf_tensor_shapes(self.model_spec)
-        pairs = list(weights.items() if isinstance(weights, Mapping) else weights)
-        for pair in pairs:
-            if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and isinstance(pair[0], str)):
-                raise ValueError(f"load_weights expects (name, tensor) pairs, got {type(pair).__name__}")
-            name, tensor = pair
-            if is_skipped_name(name):
-                continue
-            if name not in shapes:
-                raise ValueError(f"load_weights: unknown weight name {name!r} (not a tensor of this "
-                                 f"{self.model_spec.architecture} model)")
-            if tuple(getattr(tensor, "shape", ())) != shapes[name]:
-                raise ValueError(f"load_weights: {name} has shape {list(getattr(tensor, 'shape', ()))}, "
-                                 f"expected {list(shapes[name])}")
-        return pairs
+        """The version outputs report (None before any update)."""
+        return self._llm_engine.updates.version
 
     @property
     def replica_index(self) -> int:
@@ -442,3 +410,8 @@ def tqdm_progress(use_tqdm, total: int, progress: Callable[[int, int], None] | N
 
 def _has_prompts(prompts) -> bool:
     return isinstance(prompts, str) or bool(prompts)
+
+
+def _per_prompt(value) -> list:
+    """One value, or a list of them (one per prompt): as a list."""
+    return list(value) if isinstance(value, (list, tuple)) else [value]

@@ -17,34 +17,57 @@ also collective over the DP replicas, which all loop together.
 
 from __future__ import annotations
 
+import copy
 import random
+import threading
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 from spmd_engine.config import ConfigError
 from spmd_engine.engine.core_client import EngineCoreClient, EngineDeadError
 from spmd_engine.engine.output_processor import NewRequest, OutputProcessor
 from spmd_engine.engine.outputs import RequestOutput
 from spmd_engine.engine.pause import PauseState
+from spmd_engine.engine.sleep_mode import SleepMode
+from spmd_engine.engine.weight_update import WeightUpdates
 from spmd_engine.sampling_params import SamplingParams
 
 
 class LLMEngine:
     def __init__(self, client: EngineCoreClient, inputs, seed: int, admission: str, external: bool,
-                 weight_version: Callable[[], Any], preflight: Callable[[], None]):
+                 enable_sleep_mode: bool = False, config=None):
         self._client, self.inputs, self.seed = client, inputs, seed
+        self.config = config
         # Requests without a seed draw theirs from here, in the order added: fresh randomness on
         # every call, yet the same on every rank given the same engine seed.
         self.seed_stream = random.Random(seed)
-        self.outputs = OutputProcessor(inputs, weight_version)
-        self._preflight = preflight
+        self.updates = WeightUpdates(client, external)
+        self.sleep_mode = SleepMode(enable_sleep_mode)
+        self.outputs = OutputProcessor(inputs, lambda: self.updates.version)
         self._queue: list[tuple[str, Any]] = []  # ("add", NewRequest) / ("abort", [ids]), not applied yet
         self._aborted: list[tuple[Any, RequestOutput]] = []  # returned by the next step()
         self.pause = PauseState()
+        self.dead: str | None = None  # why every later call is refused (a collective_rpc timed out)
         self._exchange = None
         if external:
             from spmd_engine.engine.admission import ReplicaExchange
             self._exchange = ReplicaExchange(admission, seed)
+
+    @classmethod
+    def from_engine_args(cls, engine_args) -> "LLMEngine":
+        """vLLM's: an engine of its own, driven by add_request / step (torchtitan's generator
+        under torchrun). It lives until shutdown() or until it is garbage collected."""
+        from spmd_engine.engine.llm import LLM
+        return LLM.from_engine_args(engine_args).llm_engine
+
+    @classmethod
+    def from_setup(cls, setup, admission: str = "identical", enable_sleep_mode: bool = False) -> "LLMEngine":
+        """The engine's processes built on a checked configuration."""
+        from spmd_engine.engine.core_client import make_client
+        config = setup.config
+        external = config.parallel_config.distributed_executor_backend == "external_launcher"
+        return cls(make_client(config, setup.inputs), setup.inputs, config.seed, admission, external,
+                   enable_sleep_mode, config)
 
     # -- what trainers reach through llm.llm_engine (vLLM's names) ----------------------
     @property
@@ -60,6 +83,119 @@ class LLMEngine:
     def vllm_config(self):
         return self._client.vllm_config
 
+    @property
+    def model_config(self):
+        """vLLM's `llm_engine.model_config` (lm-evaluation-harness reads it when it starts)."""
+        return self.vllm_config.model_config
+
+    def reset_mm_cache(self) -> None:
+        """vLLM's: clear the multimodal processor cache. There is none here (text only); ms-swift
+        calls it once its engine is built."""
+
+    def reset_encoder_cache(self) -> None:
+        """vLLM's (0.16+): clear the encoder cache. There is none here; ms-swift calls it after
+        every weight update."""
+
+    def get_tokenizer(self):
+        if self.inputs.tokenizer is None:
+            raise RuntimeError(f"this engine has no tokenizer ({self.inputs._tokenizer_error})")
+        return self.inputs.tokenizer
+
+    @property
+    def tokenizer(self):
+        """vLLM's: the tokenizer, or None without one (skip_tokenizer_init, no tokenizer files)."""
+        return self.inputs.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the checkpoint's generation_config.json sampling values (generation_config="auto"),
+        vLLM's defaults for the rest."""
+        return SamplingParams.from_optional(**self.inputs.default_sampling_kwargs)
+
+    # -- the control surface trainers call (vLLM's llm.llm_engine methods) ------------------
+    def collective_rpc(self, method, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict | None = None, *, unique_reply_rank: int | None = None) -> list[Any]:
+        """A Worker method (or a callable taking the worker) on every worker of each replica this
+        process drives. `timeout` (seconds) as vLLM's: a TimeoutError past it. The call may still
+        be running in the workers then, so their state is unknown: every later call is refused."""
+        self._check_alive()
+        if timeout is None:
+            return self.call_workers(method, args, kwargs, unique_reply_rank)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"collective_rpc timeout must be a number of seconds > 0 or None, got {timeout!r}")
+        result: dict = {}
+
+        def call() -> None:
+            try:
+                result["value"] = self.call_workers(method, args, kwargs, unique_reply_rank)
+            except BaseException as exc:  # handed to the caller's thread below
+                result["error"] = exc
+        thread = threading.Thread(target=call, name="collective_rpc", daemon=True)
+        thread.start()
+        thread.join(timeout)
+        if thread.is_alive():
+            name = method if isinstance(method, str) else getattr(method, "__name__", "callable")
+            self.dead = (f"collective_rpc({name!r}) timed out after {timeout} s and may still be running "
+                         f"in the workers")
+            raise TimeoutError(self.dead)
+        if "error" in result:
+            raise result["error"]
+        return result["value"]
+
+    def _check_alive(self) -> None:
+        if self.dead:
+            raise RuntimeError(f"the engine refuses every call: {self.dead}; shut it down and start a new one")
+
+    def call_workers(self, method, args: tuple = (), kwargs: dict | None = None,
+                     unique_reply_rank: int | None = None) -> list[Any]:
+        """collective_rpc without a timeout; `load_weights` checked here first (a bad name or
+        shape is a ValueError before any worker sees it) and counted by the weight update."""
+        if method == "load_weights":
+            try:
+                args = (checked_weights(self.inputs, *args, **(kwargs or {})),)
+            except Exception as exc:
+                self.updates.note_load_error(exc)
+                raise
+            kwargs = None
+        return self._client.collective_rpc(method, args, kwargs, unique_reply_rank)
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Forget every cached prefix block (as vLLM: False while requests are running).
+        `reset_running_requests=True`: running requests keep their tokens and recompute their KV
+        when next scheduled (after a weight update their old KV is stale); it always succeeds.
+        `reset_connector` (vLLM's KV connector) has nothing to reset here."""
+        if not isinstance(reset_running_requests, bool):
+            raise ValueError(f"reset_running_requests must be True or False, got {reset_running_requests!r}")
+        return all(self._client.call_core("reset_prefix_cache", reset_running_requests))
+
+    def sleep(self, level: int = 1, mode: str = "abort", reset_connector: bool = True) -> list[dict]:
+        return self.sleep_mode.sleep(self, level, mode)
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        return self.sleep_mode.wake_up(self, tags)
+
+    def is_sleeping(self) -> bool:
+        return bool(self.sleep_mode.asleep)
+
+    def check_can_generate(self) -> None:
+        """Refuse to run the model on weights that are not a whole policy, or while asleep."""
+        self._check_alive()
+        self.sleep_mode.check_awake()
+        self.updates.check_can_generate()
+        self.sleep_mode.check_weights_loaded(self._client.collective_rpc)
+
+    # -- versioned weight updates (engine/weight_update.py) ------------------------------
+    def start_weight_update(self) -> None:
+        self.updates.start()
+
+    def finish_weight_update(self, weight_version: str | int | None = None) -> None:
+        self.updates.finish(weight_version)
+
+    def get_weight_version(self) -> str | int:
+        return self.updates.get_version()
+
+    def update_weight_version(self, new_version: str | int) -> None:
+        self.updates.set_version(new_version)
+
     # -- the request API ---------------------------------------------------------------
     @property
     def takes_input(self) -> bool:
@@ -67,24 +203,33 @@ class LLMEngine:
         return self._exchange is None or self._exchange.takes_input
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
-        """Queue a request: `prompt` a string, token ids, {"prompt": ...} or {"prompt_token_ids": ...}.
-        A request id still unfinished is a ValueError; a finished one's id may be used again."""
-        self.queue_request(self.new_request(request_id, prompt, params, arrival_time))
+                    arrival_time: float | None = None, lora_request=None, tokenization_kwargs: dict | None = None,
+                    trace_headers=None, priority: int = 0, prompt_text: str | None = None) -> str:
+        """Queue a request: `prompt` a string, token ids, {"prompt": ...} or {"prompt_token_ids": ...};
+        returns its id (vLLM's). A request id still unfinished is a ValueError; a finished one's id
+        may be used again. `params` None: the model's default sampling parameters."""
+        check_request_extras(lora_request, priority)
+        new = self.new_request(request_id, prompt, params, arrival_time,
+                               tokenization_kwargs=tokenization_kwargs)
+        self.queue_request(new)
+        return request_id
 
     def new_request(self, request_id: str, prompt, params: SamplingParams | None, arrival_time=None,
-                    origin=None, index: int = 0) -> NewRequest:
+                    origin=None, index: int = 0, tokenization_kwargs: dict | None = None) -> NewRequest:
         """The request tokenized, checked and seeded (nothing queued: generate checks every
         prompt before it queues any)."""
         self._check_takes_input("add_request")
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
-        params = SamplingParams() if params is None else params
+        params = self.get_default_sampling_params() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         if request_id in self.outputs.states or any(k == "add" and e.request_id == request_id for k, e in self._queue):
             raise ValueError(f"request id {request_id!r} is already running")
-        text, ids = self.inputs.encode(prompt, index)
+        text, ids = self.inputs.encode(prompt, index, tokenization_kwargs)
+        if params.max_tokens is None:  # vLLM: up to the model's context
+            params = copy.copy(params)
+            params.max_tokens = self.inputs.max_model_len - len(ids)
         self.inputs.check_params(params, index)
         if params.stop and self.inputs.tokenizer is None:
             raise ConfigError(f"prompt {index}: stop strings need a tokenizer, and this model has none "
@@ -116,7 +261,7 @@ class LLMEngine:
         """step(), each output with the (generate call, position) it came from (None: added).
         `sync=False`: no exchange first (generate's loop, which exchanged its whole queue once
         and into which nothing can be queued)."""
-        self._preflight()
+        self.check_can_generate()
         if sync:
             self.sync()
         elif self._queue:
@@ -166,6 +311,9 @@ class LLMEngine:
             else:
                 self._aborted += self.abort_now(item)
 
+    def keep_for_next_step(self, outputs: list[RequestOutput]) -> None:
+        self._aborted += [(None, out) for out in outputs]
+
     def abort_now(self, request_ids: list[str]) -> list[tuple[Any, RequestOutput]]:
         aborted = self._client.abort_requests(self.outputs.engine_ids(request_ids))
         return self.outputs.process(aborted)
@@ -186,3 +334,40 @@ class LLMEngine:
 
     def is_paused(self) -> bool:
         return self.pause.paused
+
+
+def check_request_extras(lora_request, priority) -> None:
+    """vLLM's per-request arguments this engine has no feature for yet: a clear error, never a
+    silent default (None and priority 0 are vLLM's defaults and mean nothing here)."""
+    if lora_request is not None:
+        raise NotImplementedError("lora_request: LoRA adapters are not supported by spmd_engine yet")
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise TypeError(f"priority must be an integer, got {priority!r}")
+    if priority != 0:
+        raise ValueError(f"Got priority {priority} but Priority scheduling is not enabled "
+                         f"(spmd_engine schedules first come, first served)")
+
+
+def checked_weights(inputs, weights) -> list[tuple[str, Any]]:
+    """The (HF name, full tensor) pairs as a list, each name and shape checked, so a bad one is
+    a ValueError before any worker sees it (a worker's exception would fail an mp executor)."""
+    from collections.abc import Mapping
+
+    from spmd_engine.model.spec import ModelSpec
+    from spmd_engine.model.weights import hf_tensor_shapes, is_skipped_name
+    spec = ModelSpec.from_hf_config(inputs.hf_config, "config.json")
+    shapes = hf_tensor_shapes(spec)
+    pairs = list(weights.items() if isinstance(weights, Mapping) else weights)
+    for pair in pairs:
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and isinstance(pair[0], str)):
+            raise ValueError(f"load_weights expects (name, tensor) pairs, got {type(pair).__name__}")
+        name, tensor = pair
+        if is_skipped_name(name):
+            continue
+        if name not in shapes:
+            raise ValueError(f"load_weights: unknown weight name {name!r} (not a tensor of this "
+                             f"{spec.architecture} model)")
+        if tuple(getattr(tensor, "shape", ())) != shapes[name]:
+            raise ValueError(f"load_weights: {name} has shape {list(getattr(tensor, 'shape', ()))}, "
+                             f"expected {list(shapes[name])}")
+    return pairs

@@ -1,4 +1,5 @@
-"""Versioned, all-or-nothing weight updates: start_weight_update(v) ... load_weights ... finish.
+"""Versioned, all-or-nothing weight updates: start_weight_update() ... load_weights ...
+finish_weight_update(weight_version) (vLLM's names and arguments).
 
 A trainer pushes a new policy as many load_weights batches; in between, the engine
 holds a mix of the old and the new weights, so it refuses to generate from
@@ -10,7 +11,9 @@ then PP, then DP group, so every rank of every DP replica reaches the same
 verdict, as one LLM driving DP replicas under mp does). Any reason fails the update on every
 rank: each marks all its tensors unwritten, and generate raises until an update
 that writes every tensor again completes. Nothing half-applied is served; the
-version of a completed update is what RequestOutput.weight_version reports.
+version of a completed update is what RequestOutput.weight_version reports. As in
+vLLM, finish without a version keeps the one before, and update_weight_version(v)
+names the weights without an update; get_weight_version() is "default" before any.
 """
 
 from __future__ import annotations
@@ -23,30 +26,26 @@ class WeightUpdates:
         self._engine = engine
         self._external = external_launcher
         self.version: int | str | None = None  # of the last completed update
-        self.in_progress: int | str | None = None
         self._started = False
         self._front_end_error: str | None = None  # a load this process refused before the workers saw it
         self.failed: str | None = None  # why the last update did not complete
 
-    def start(self, version) -> None:
-        if isinstance(version, bool) or not isinstance(version, (int, str)):
-            raise ConfigError(f"weight update version must be an int or a str, got {version!r}")
+    def start(self) -> None:
         if self._started:
-            raise RuntimeError(f"weight update {self.in_progress!r} is in progress: finish_weight_update() "
-                               f"before starting another")
+            raise RuntimeError("a weight update is in progress: finish_weight_update() before starting another")
         self._engine.collective_rpc("start_weight_update")
-        self._started, self.in_progress, self._front_end_error = True, version, None
+        self._started, self._front_end_error = True, None
 
     def note_load_error(self, exc: BaseException) -> None:
         """A load_weights call that failed in this process (checked before any worker ran it)."""
         if self._started and self._front_end_error is None:
             self._front_end_error = f"{type(exc).__name__}: {exc}"
 
-    def finish(self) -> int | str:
+    def finish(self, weight_version: int | str | None = None) -> None:
         if not self._started:
-            raise RuntimeError("finish_weight_update() without start_weight_update(version)")
-        version = self.in_progress
-        self._started, self.in_progress = False, None
+            raise RuntimeError("finish_weight_update() without start_weight_update()")
+        version = self.version if weight_version is None else _checked_version(weight_version)
+        self._started = False
         try:
             problems = [p for p in self._engine.collective_rpc("finish_weight_update") if p]
             if self._front_end_error:
@@ -61,18 +60,29 @@ class WeightUpdates:
         if problems:
             self.failed = (f"weight update {version!r} did not complete ({problems[0]}"
                            + (f"; and {len(problems) - 1} more" if len(problems) > 1 else "") + ")")
-            raise RuntimeError(self.failed + ": no rank serves it; start_weight_update(...), load every "
+            raise RuntimeError(self.failed + ": no rank serves it; start_weight_update(), load every "
                                "tensor, finish_weight_update() to recover")
         self.version, self.failed = version, None
-        return version
+
+    def get_version(self) -> int | str:
+        return "default" if self.version is None else self.version
+
+    def set_version(self, version: int | str) -> None:
+        self.version = _checked_version(version)
 
     def check_can_generate(self) -> None:
         if self._started:
-            raise RuntimeError(f"weight update {self.in_progress!r} is in progress (start_weight_update): "
-                               f"call finish_weight_update() before generate")
+            raise RuntimeError("a weight update is in progress (start_weight_update): "
+                               "call finish_weight_update() before generate")
         if self.failed:
-            raise RuntimeError(f"{self.failed}: the weights are a mix of two policies; start_weight_update(...), "
+            raise RuntimeError(f"{self.failed}: the weights are a mix of two policies; start_weight_update(), "
                                f"load every tensor, finish_weight_update() before generate")
+
+
+def _checked_version(version) -> int | str:
+    if isinstance(version, bool) or not isinstance(version, (int, str)):
+        raise ConfigError(f"weight version must be an int or a str, got {version!r}")
+    return version
 
 
 def _replica_union(version, problems: list[str]) -> list[str]:

@@ -67,7 +67,8 @@ class ModelRunner:
         mc = self.config.model_config
         self.model = load_model(mc.model_dir, self.tp_group, self.pp_group, dtype=mc.dtype,
                                 device=self.device, pp_partition=mc.pp_partition,
-                                load_format=mc.load_format, batch_invariant=mc.batch_invariant, **self.moe_groups)
+                                load_format=mc.load_format, batch_invariant=mc.batch_invariant,
+                                model_registration=mc.model_registration, **self.moe_groups)
         if packing_applies(self.model.dtype, self.device, mc.batch_invariant):
             packed = pack_linear_weights(self.model, batch_hint=self.config.scheduler_config.max_num_seqs,
                                          batch_invariant=mc.batch_invariant)
@@ -172,9 +173,9 @@ class ModelRunner:
         if self.num_blocks:
             self._sleeping_blocks = self.num_blocks
         self.release_kv_cache()
+        # The requests' own state stays: requests kept through the sleep (pause mode "keep")
+        # recompute their KV on wake and go on; finished ones are dropped as every step drops them.
         self.block_tables.clear()
-        self.prompt_lens.clear()
-        self.last_sampled.clear()
         if level == 2:
             self.model.discard_weights()
         elif self.device.type != "cpu":

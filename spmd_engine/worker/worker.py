@@ -140,6 +140,15 @@ class Worker:
     def model(self):
         return self.model_runner.model if self.model_runner is not None else None
 
+    def get_model(self):
+        """vLLM's driver_worker.get_model(): this rank's model (torchtitan and verl load weights
+        through it)."""
+        return self.model
+
+    def apply_model(self, func):
+        """vLLM's LLM.apply_model: func(this rank's model)."""
+        return func(self.model)
+
     @property
     def worker(self) -> "Worker":
         """Itself: trainers reach the model as `driver_worker.worker.model_runner.model` (vLLM's

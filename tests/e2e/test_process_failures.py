@@ -30,8 +30,8 @@ from zen import continuation
 from spmd_engine import LLM, SamplingParams
 from spmd_engine.engine.core_client import EngineDeadError
 
-LONG = SamplingParams(max_tokens=800)
-SHORT = SamplingParams(max_tokens=2)  # finishes first: its progress callback is the kill's trigger
+LONG = SamplingParams(temperature=0.0, max_tokens=800)
+SHORT = SamplingParams(temperature=0.0, max_tokens=2)  # finishes first: its progress callback is the kill's trigger
 
 
 def kill_on_first_progress(pid: int, record: dict):
@@ -383,7 +383,7 @@ def children() -> set[int]:
 @pytest.mark.timeout(300)
 def test_soak_hundreds_of_generate_calls_leak_nothing():
     with LLM(tensor_parallel_size=2) as llm:
-        params = SamplingParams(max_tokens=3)
+        params = SamplingParams(temperature=0.0, max_tokens=3)
         for _ in range(10):  # warm up: lazy shared-memory set-up, caches
             llm.generate(["Now is"], params)
         workers = llm.collective_rpc(lambda worker: os.getpid())

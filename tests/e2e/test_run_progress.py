@@ -84,7 +84,7 @@ def test_progress_callback_is_called_as_requests_finish(layout):
 
     calls = []
     with LLM(max_num_seqs=2, **layout) as llm:
-        outs = llm.generate(PROMPTS[:6], SamplingParams(max_tokens=5, ignore_eos=True),
+        outs = llm.generate(PROMPTS[:6], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
                             progress=lambda requests, tokens: calls.append((requests, tokens)))
     assert sum(r for r, _ in calls) == 6 and sum(t for _, t in calls) == 30, calls
     assert len(calls) >= 3, calls  # at least one call per finished batch

@@ -12,7 +12,7 @@ EOS = 99
 
 def make(rid, prompt_len=3, max_tokens=3, ignore_eos=False, first=1):
     return Request(str(rid), list(range(first, first + prompt_len)),
-                   SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos), seed=rid)
+                   SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos), seed=rid)
 
 
 def scheduler(num_blocks=64, block_size=4, max_num_seqs=256, budget=None, max_model_len=64, chunked=True,

@@ -20,9 +20,9 @@ PROMPTS = ["Beautiful is", "Explicit is", "Simple is better", "Flat is", "Errors
 
 
 def params() -> list[SamplingParams]:
-    return [SamplingParams(max_tokens=30, stop=["than"]), SamplingParams(max_tokens=20, stop_token_ids=[ord("b")]),
-            SamplingParams(max_tokens=16, temperature=1.0, seed=3, logprobs=1), SamplingParams(max_tokens=1),
-            SamplingParams(max_tokens=12, repetition_penalty=1.2)]
+    return [SamplingParams(temperature=0.0, max_tokens=30, stop=["than"]), SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[ord("b")]),
+            SamplingParams(max_tokens=16, temperature=1.0, seed=3, logprobs=1), SamplingParams(temperature=0.0, max_tokens=1),
+            SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=1.2)]
 
 
 def outputs(outs) -> list:

@@ -35,7 +35,7 @@ def record(out) -> dict:
 def workload(llm: LLM, vocab: int) -> list[dict]:
     """A batch of prompts, greedy and seeded-sampled, with logprobs=5 and prompt_logprobs=5."""
     ps = prompts(vocab)
-    greedy = SamplingParams(max_tokens=MAX_TOKENS, logprobs=5, prompt_logprobs=5, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=5, prompt_logprobs=5, ignore_eos=True)
     sampled = SamplingParams(max_tokens=MAX_TOKENS, logprobs=5, temperature=1.0, top_p=0.9, seed=7,
                              ignore_eos=True)
     outs = llm.generate(ps + ps, [greedy] * len(ps) + [sampled] * len(ps), use_tqdm=False)

@@ -24,7 +24,7 @@ if __name__ == "__main__":
         tokens = []
         if share or llm.dp_waves:
             outs = llm.generate([ids for ids, _ in share],
-                                [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in share])
+                                [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in share])
             tokens = [o.outputs[0].token_ids for o in outs]
         stats = llm.get_stats()[0]
         keep = ("dp_waves", "waves", "wave_steps", "dummy_steps", "steps")

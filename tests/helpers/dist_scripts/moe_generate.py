@@ -14,7 +14,7 @@ from spmd_engine import LLM, SamplingParams
 if __name__ == "__main__":
     model, prompts_file, out_file, mode = sys.argv[1:5]
     prompts = json.load(open(prompts_file))  # lists of token ids
-    params = SamplingParams(max_tokens=12, logprobs=3, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=3, ignore_eos=True)
     with LLM(model=model, tensor_parallel_size=2, enable_expert_parallel=mode == "ep",
              distributed_executor_backend="external_launcher", seed=0) as llm:
         outs = llm.generate(prompts, params)

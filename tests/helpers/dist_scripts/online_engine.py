@@ -22,7 +22,7 @@ STARTS = [0, 1, 3]  # the step at which each request is added: known to every ra
 
 
 def params() -> SamplingParams:
-    return SamplingParams(max_tokens=6, ignore_eos=True)
+    return SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
 def staggered(engine, prompts, lead: bool) -> list[list[int]]:

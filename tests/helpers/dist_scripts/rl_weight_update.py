@@ -13,7 +13,7 @@ from spmd_engine import LLM, SamplingParams
 if __name__ == "__main__":
     old, new = sys.argv[1], sys.argv[2]
     prompts = [list(range(1, 40)), [4, 5, 6, 7, 8]]
-    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     with LLM(model=old, tensor_parallel_size=2, pipeline_parallel_size=2, max_model_len=64, seed=0,
              distributed_executor_backend="external_launcher", enable_sleep_mode=True) as llm:
         before = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]

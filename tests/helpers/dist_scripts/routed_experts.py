@@ -20,7 +20,7 @@ MAX_TOKENS = 12
 
 
 def rounds(llm: LLM, prompts: list[list[int]]) -> dict:
-    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     first = llm.generate(prompts, params)
     hits_before = sum(s["prefix_hits_tokens"] for s in llm.get_stats())
     again = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in first] + [prompts[-1]]

@@ -25,7 +25,7 @@ def generate_once() -> tuple[int, int, str, int]:
     with LLM(tensor_parallel_size=2, distributed_executor_backend="external_launcher", seed=0) as llm:
         replica = llm.replica_index
         prompt = ["Beautiful is", "Errors should"][replica]
-        text = llm.generate([prompt], SamplingParams(max_tokens=12))[0].outputs[0].text
+        text = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12))[0].outputs[0].text
         rank = llm.llm_engine.model_executor.driver_worker.rank
         assert rank == get_world_group().rank == dist.get_rank(), (rank, dist.get_rank())
         made = len(model_parallel_groups())

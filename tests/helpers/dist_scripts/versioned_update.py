@@ -25,13 +25,13 @@ if __name__ == "__main__":
     old, mid, new = sys.argv[1:4]
     rank = int(os.environ["RANK"])
     prompts = [list(range(1, 40)), [4, 5, 6, 7, 8]]
-    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     report = {"rank": rank}
     with LLM(model=old, tensor_parallel_size=2, data_parallel_size=2, max_model_len=64, seed=0,
              distributed_executor_backend="external_launcher") as llm:
         def generate():
             return [[o.outputs[0].token_ids, o.weight_version] for o in llm.generate(prompts, greedy)]
-        llm.start_weight_update(1)
+        llm.start_weight_update()
         report["during"] = outcome(generate)
         pairs = list(load_file(f"{mid}/model.safetensors").items())
         half = len(pairs) // 2
@@ -41,12 +41,12 @@ if __name__ == "__main__":
             report["bad_load"] = outcome(lambda: llm.collective_rpc("load_weights", args=([(name, tensor[:1])],)))
         else:
             llm.collective_rpc("load_weights", args=(pairs[half:],))
-        report["finish_failed"] = outcome(llm.finish_weight_update)
+        report["finish_failed"] = outcome(lambda: llm.finish_weight_update(1))
         report["after_failure"] = outcome(generate)
-        llm.start_weight_update("v2")
+        llm.start_weight_update()
         model = llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
         model.load_weights(load_file(f"{new}/model.safetensors").items())  # the trainers' path
-        report["finish_ok"] = outcome(llm.finish_weight_update)
+        report["finish_ok"] = outcome(lambda: llm.finish_weight_update("v2"))
         llm.reset_prefix_cache()
         report["after"] = outcome(generate)
         report["replica"] = llm.replica_index

@@ -32,13 +32,13 @@ PROMPTS = ["Beautiful is", "Explicit is", "Simple is better", "Flat", "Sparse is
 def mixed_params() -> list[SamplingParams]:
     """One request for each way a request ends or is sampled."""
     return [
-        SamplingParams(max_tokens=40, stop=["than"]),                      # a stop string mid-run
-        SamplingParams(max_tokens=30, stop_token_ids=[ord("b")]),           # a stop token
+        SamplingParams(temperature=0.0, max_tokens=40, stop=["than"]),                      # a stop string mid-run
+        SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[ord("b")]),           # a stop token
         SamplingParams(max_tokens=25, temperature=1.0, seed=3, logprobs=2),  # seeded sampling, logprobs
-        SamplingParams(max_tokens=1),                                       # one token: nothing ahead
-        SamplingParams(max_tokens=20, repetition_penalty=1.3, prompt_logprobs=1),
+        SamplingParams(temperature=0.0, max_tokens=1),                                       # one token: nothing ahead
+        SamplingParams(temperature=0.0, max_tokens=20, repetition_penalty=1.3, prompt_logprobs=1),
         SamplingParams(max_tokens=18, temperature=0.8, seed=5, n=2),
-        SamplingParams(max_tokens=12, min_tokens=6, stop=["."], include_stop_str_in_output=True),
+        SamplingParams(temperature=0.0, max_tokens=12, min_tokens=6, stop=["."], include_stop_str_in_output=True),
         SamplingParams(max_tokens=35, temperature=0.7, top_k=5, seed=11),
     ]
 
@@ -121,7 +121,7 @@ def test_uni_steps_run_in_the_callers_thread_while_a_helper_schedules_the_next()
             seen["overlaps"] += running.is_set()
             return schedule(*args, **kwargs)
         runner.execute_model, core.scheduler.schedule = timed_execute, watched_schedule
-        llm.generate(PROMPTS[:3], [SamplingParams(max_tokens=12, ignore_eos=True)] * 3)
+        llm.generate(PROMPTS[:3], [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)] * 3)
     assert seen["step_threads"] == {threading.get_ident()}
     assert seen["schedule_threads"] - seen["step_threads"]  # scheduled on the helper thread
     assert seen["overlaps"] >= 8  # while a step ran, not after it
@@ -165,7 +165,7 @@ def test_uni_online_steps_with_abort_and_pause_while_steps_are_in_flight():
 def test_uni_abort_or_pause_then_sleep_with_a_step_scheduled_ahead():
     """A step scheduled ahead still names the requests an abort just finished: it runs (its
     tokens dropped) before the KV cache is given back, so the engine wakes clean."""
-    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     with LLM(max_model_len=128, async_scheduling=True, enable_sleep_mode=True) as llm:
         want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params)]
         engine, core = llm.llm_engine, llm.llm_engine.engine_core
@@ -194,9 +194,9 @@ def test_uni_abort_or_pause_then_sleep_with_a_step_scheduled_ahead():
 def test_mp_tp2_outputs_equal_synchronous_scheduling(tmp_path):
     ckpt = make_tiny_checkpoint(tmp_path / "tiny", seed=0)
     prompts = [list(range(1, 30)), [4, 5, 6, 7, 8], [9, 10, 11], [3] * 20]
-    params = [SamplingParams(max_tokens=10, ignore_eos=True), SamplingParams(max_tokens=6, stop_token_ids=[7]),
+    params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), SamplingParams(temperature=0.0, max_tokens=6, stop_token_ids=[7]),
               SamplingParams(max_tokens=9, temperature=1.0, seed=2, logprobs=1),
-              SamplingParams(max_tokens=1)]
+              SamplingParams(temperature=0.0, max_tokens=1)]
     results = {}
     for flag in (False, True):
         with LLM(model=str(ckpt), seed=0, tensor_parallel_size=2, timeout_s=60, max_num_seqs=2,

@@ -41,7 +41,7 @@ def tiny(tmp_path_factory):
 
 
 def needle_params():
-    return [SamplingParams(max_tokens=8, logprobs=5, prompt_logprobs=5, ignore_eos=True),
+    return [SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, prompt_logprobs=5, ignore_eos=True),
             SamplingParams(max_tokens=8, logprobs=5, prompt_logprobs=5, temperature=1.0, top_k=20, seed=11,
                            ignore_eos=True)]
 
@@ -58,7 +58,7 @@ def needle_mismatches(llm: LLM, trials: int, seed: int = 0) -> list[str]:
         at = rng.randrange(len(others) + 1)
         for p, want in zip(params, alone):
             prompts = others[:at] + [needle] + others[at:]
-            sp = [SamplingParams(max_tokens=rng.randrange(1, 9), ignore_eos=True, logprobs=2)] * len(others)
+            sp = [SamplingParams(temperature=0.0, max_tokens=rng.randrange(1, 9), ignore_eos=True, logprobs=2)] * len(others)
             outs = llm.generate(prompts, sp[:at] + [p] + sp[at:], use_tqdm=False)
             if record(outs[at]) != want:
                 bad.append(f"trial {trial}: {len(others)} others, needle at {at}, T={p.temperature}")
@@ -113,7 +113,7 @@ def test_decode_equals_prefill_and_the_trainer_with_a_backward(tiny, dtype):
                                                     ignore_eos=True), use_tqdm=False)
         seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
         decode = [[d[t].logprob for t, d in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
-        fed = llm.generate(seqs, SamplingParams(max_tokens=1, prompt_logprobs=0, ignore_eos=True), use_tqdm=False)
+        fed = llm.generate(seqs, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, ignore_eos=True), use_tqdm=False)
     prefill = [[d[t].logprob for t, d in zip(s[1:], f.prompt_logprobs[1:])] for s, f in zip(seqs, fed)]
     model = trainer_model(tiny, dtype=dtype)
     trained = token_logprobs(model, seqs)

@@ -28,8 +28,8 @@ def shm_names_of(pids) -> set[str]:
 
 @pytest.mark.timeout(180)
 def test_a_worker_death_in_one_replica_fails_generate_within_2s():
-    short = SamplingParams(max_tokens=2, ignore_eos=True)
-    long = SamplingParams(max_tokens=1000, ignore_eos=True)
+    short = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    long = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
     # Replica i gets prompts i::2. Replica 0: two short prompts, then long ones; replica 1: long
     # ones. One sequence at a time, so the healthy replica has several seconds of work left.
     prompts = ["Beautiful is", "Explicit is", "Simple is", "Complex is", "Flat is", "Sparse is",

@@ -64,7 +64,7 @@ def test_needs_dp_waves_is_moe_under_dp_only():
 
 def _mp_run(ckpt, jobs):
     with LLM(model=str(ckpt), data_parallel_size=2) as llm:
-        outs = llm.generate([ids for ids, _ in jobs], [SamplingParams(max_tokens=n, ignore_eos=True)
+        outs = llm.generate([ids for ids, _ in jobs], [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
                                                        for _, n in jobs])
         return [o.outputs[0].token_ids for o in outs], llm.get_stats(), llm.dp_waves
 
@@ -83,7 +83,7 @@ def test_dense_model_under_dp_runs_no_waves(ckpt, monkeypatch):
 @pytest.mark.timeout(150)
 def test_mp_moe_dp2_ep_uneven_then_one_prompt(moe):
     jobs = [LONG, SHORT]  # replica 0: the long one, replica 1: the short one
-    params = [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in jobs]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in jobs]
     with LLM(model=str(moe), data_parallel_size=2, timeout_s=60, **EP) as llm:
         assert llm.dp_waves
         tokens = [o.outputs[0].token_ids for o in llm.generate([ids for ids, _ in jobs], params)]
@@ -115,7 +115,7 @@ def test_mp_moe_dp2_without_ep_splits_each_expert_over_dp_x_tp(moe):
     # vLLM's sharding without EP under DP: every expert's width over the flattened DP x TP
     # ranks (the EP-shaped group), tokens gathered over DP; replicas step in waves.
     jobs = [LONG, SHORT]
-    params = [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in jobs]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in jobs]
     with LLM(model=str(moe), data_parallel_size=2, timeout_s=60) as llm:
         assert llm.dp_waves
         tokens = [o.outputs[0].token_ids for o in llm.generate([ids for ids, _ in jobs], params)]
@@ -151,7 +151,7 @@ def test_mp_moe_worker_death_in_one_replica_ends_both_promptly(moe):
     """The replicas share one world and every MoE layer's collectives: a worker killed in
     replica 1 leaves replica 0's workers in a collective with a dead peer. The whole generate
     must still fail at once (not after the 60 s hang timeout) and every process must go."""
-    long = SamplingParams(max_tokens=100, ignore_eos=True)
+    long = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
     llm = LLM(model=str(moe), data_parallel_size=2, max_model_len=128, timeout_s=60, **EP)
     try:
         workers = llm.collective_rpc(lambda w: os.getpid())  # replica 0's worker, then replica 1's
@@ -165,7 +165,7 @@ def test_mp_moe_worker_death_in_one_replica_ends_both_promptly(moe):
 
         jobs = [[1, 2, 3], [4, 5], [6, 7, 8], [9, 10]]  # replica 0: two long; replica 1: short, long
         with pytest.raises(EngineDeadError):
-            llm.generate(jobs, [long, SamplingParams(max_tokens=2, ignore_eos=True), long, long],
+            llm.generate(jobs, [long, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), long, long],
                          progress=progress)
         assert time.monotonic() - record["killed_at"] < 10
         deadline = time.monotonic() + 10

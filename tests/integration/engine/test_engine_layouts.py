@@ -27,7 +27,7 @@ def expected(ckpt):
 
 def generate(ckpt, **kwargs):
     with LLM(model=str(ckpt), **kwargs) as llm:
-        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
     return [o.outputs[0].token_ids for o in outs]
 
 
@@ -87,7 +87,7 @@ def test_collective_rpc_by_name_callable_and_reply_rank(ckpt):
 @pytest.mark.timeout(60)
 def test_logprobs_and_finish_reasons(ckpt, expected):
     with LLM(model=str(ckpt), max_model_len=8) as llm:
-        outs = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=20, logprobs=3, ignore_eos=True))
+        outs = llm.generate(PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=20, logprobs=3, ignore_eos=True))
     # prompt 0 has 3 tokens: 5 more reach max_model_len 8.
     assert [len(o.outputs[0].token_ids) for o in outs] == [5, 3]
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
@@ -182,7 +182,7 @@ def test_generate_reports_progress_as_requests_finish(ckpt, layout):
     """Every request is reported once, with its generated tokens; DP replicas relay theirs."""
     calls = []
     with LLM(model=str(ckpt), max_num_seqs=2, **layout) as llm:
-        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
                             progress=lambda requests, tokens: calls.append((requests, tokens)))
     assert sum(n for n, _ in calls) == len(PROMPTS)
     assert sum(t for _, t in calls) == sum(len(o.outputs[0].token_ids) for o in outs) == len(PROMPTS) * MAX_TOKENS

@@ -37,7 +37,7 @@ def expected(ckpt):
 
 def generate(ckpt, prompts=PROMPTS, **kwargs):
     with LLM(model=str(ckpt), max_model_len=MAX_MODEL_LEN, **kwargs) as llm:
-        outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
         stats = llm.get_stats()
     return [o.outputs[0].token_ids for o in outs], stats
 
@@ -104,7 +104,7 @@ def test_torchrun_tp2_pp2_dp2_chunked_and_preempted_matches_reference(ckpt, expe
 @pytest.mark.timeout(120)
 def test_prefix_hits_compute_only_the_uncached_tail(ckpt):
     prompt = list(range(1, 41))  # 40 tokens: 2 full blocks of 16 can be reused, 8 tokens cannot
-    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     with LLM(model=str(ckpt), max_model_len=64) as llm:
         def prefill_tokens():
             return llm.get_stats()[0]["runner"]["prefill_tokens"]
@@ -125,7 +125,7 @@ def test_prefix_hits_compute_only_the_uncached_tail(ckpt):
 @pytest.mark.timeout(120)
 def test_reset_prefix_cache_drops_every_cached_block(ckpt):
     prompt = list(range(1, 41))
-    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     with LLM(model=str(ckpt), max_model_len=64) as llm:
         llm.generate([prompt], params)
         assert llm.get_stats()[0]["cached_blocks"] > 0
@@ -139,7 +139,7 @@ def test_reset_prefix_cache_drops_every_cached_block(ckpt):
 @pytest.mark.timeout(180)
 def test_prefix_stats_and_reset_reach_mp_and_dp_replicas(ckpt):
     prompt = list(range(1, 41))
-    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     with LLM(model=str(ckpt), max_model_len=64, tensor_parallel_size=2) as llm:
         llm.generate([prompt, prompt], params)
         assert llm.get_stats()[0]["runner"]["prefill_tokens"] == 40 + 8

@@ -20,7 +20,7 @@ CONVERSATIONS = [
     [{"role": "system", "content": "Recite."}, {"role": "user", "content": "Simple is"},
      {"role": "assistant", "content": "better than complex."}, {"role": "user", "content": "Flat is"}],
 ]
-PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
+PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 CLOCK = {"type": "function", "function": {"name": "now"}}  # a short tool: the model's context is 256 tokens
 
 

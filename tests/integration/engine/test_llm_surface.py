@@ -29,7 +29,7 @@ def token_ids(outs):
 
 @pytest.mark.timeout(120)
 def test_every_prompt_form_of_vllm():
-    greedy = SamplingParams(max_tokens=6)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6)
     with LLM(max_model_len=128) as llm:  # the bundled model: byte tokens, BOS 256
         ids = [256] + list(b"Errors should")
         (ref,) = llm.generate([ids], greedy)
@@ -67,7 +67,7 @@ def test_use_tqdm_drives_the_given_bar(ckpt):
             self.closed = True
 
     with LLM(model=str(ckpt), max_model_len=64) as llm:
-        params = SamplingParams(max_tokens=3, n=2)
+        params = SamplingParams(temperature=0.0, max_tokens=3, n=2)
         llm.generate([IDS, [9, 10]], params, use_tqdm=Bar)
         assert [(b.total, b.n, b.closed) for b in bars] == [(4, 4, True)]
         llm.generate([IDS], params, use_tqdm=False)
@@ -82,7 +82,7 @@ def test_vllm_only_arguments_warn_once_and_typos_fail(ckpt, caplog):
                  model_impl="vllm", max_num_seqs=8, gpu_memory_utilization=0.5) as llm:
             assert llm.config.scheduler_config.max_num_seqs == 8  # known ones are honoured
             assert llm.config.cache_config.gpu_memory_utilization == 0.5
-            assert len(llm.generate([IDS], SamplingParams(max_tokens=2))[0].outputs[0].token_ids) == 2
+            assert len(llm.generate([IDS], SamplingParams(temperature=0.0, max_tokens=2))[0].outputs[0].token_ids) == 2
     warned = [r.getMessage() for r in caplog.records if "no effect here" in r.getMessage()]
     assert len(warned) == 1, warned
     assert all(name in warned[0] for name in ("disable_log_stats", "model_impl"))
@@ -96,7 +96,7 @@ def test_vllm_only_arguments_warn_once_and_typos_fail(ckpt, caplog):
 @pytest.mark.timeout(120)
 def test_every_eos_id_of_generation_config_stops(tmp_path):
     ckpt = make_tiny_checkpoint(tmp_path / "tiny", seed=6)
-    free = SamplingParams(max_tokens=12, ignore_eos=True)
+    free = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     with LLM(model=str(ckpt), max_model_len=64) as llm:
         ids = llm.generate([IDS], free)[0].outputs[0].token_ids
     assert 2 not in ids  # config.json's EOS (2) never comes: the run goes to max_tokens
@@ -104,13 +104,13 @@ def test_every_eos_id_of_generation_config_stops(tmp_path):
     # Llama-3-Instruct's shape: a list, here with a token the model writes at position stop_at.
     (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, ids[stop_at]]}))
     with LLM(model=str(ckpt), max_model_len=64) as llm:
-        out = llm.generate([IDS], SamplingParams(max_tokens=12))[0].outputs[0]
+        out = llm.generate([IDS], SamplingParams(temperature=0.0, max_tokens=12))[0].outputs[0]
         assert out.token_ids == ids[:stop_at + 1] and out.finish_reason == "stop"
         assert out.stop_reason == ids[stop_at]  # vLLM: the extra EOS ids act as stop token ids
         assert llm.generate([IDS], free)[0].outputs[0].token_ids == ids  # ignore_eos still works
     (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": ids[stop_at]}))  # an int
     with LLM(model=str(ckpt), max_model_len=64) as llm:
-        assert llm.generate([IDS], SamplingParams(max_tokens=12))[0].outputs[0].token_ids == ids[:stop_at + 1]
+        assert llm.generate([IDS], SamplingParams(temperature=0.0, max_tokens=12))[0].outputs[0].token_ids == ids[:stop_at + 1]
 
 
 @pytest.mark.timeout(120)
@@ -123,7 +123,7 @@ def test_max_model_len_defaults_to_the_models_positions(tmp_path):
     with LLM(model=str(ckpt), kv_cache_memory_bytes=2 * budget) as llm:
         assert llm.max_model_len == 16384 and llm.config.scheduler_config.max_model_len == 16384
     with LLM(model=str(ckpt), kv_cache_memory_bytes=budget, max_model_len=8192) as llm:
-        assert llm.generate([IDS], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+        assert llm.generate([IDS], SamplingParams(temperature=0.0, max_tokens=2))[0].outputs[0].token_ids
 
 
 TEMP1 = SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True)

@@ -20,7 +20,7 @@ N = 12
 
 
 def params(kind=RequestOutputKind.CUMULATIVE, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=N, ignore_eos=True, output_kind=kind, **kw)
+    return SamplingParams(**{"temperature": 0.0, "max_tokens": N, "ignore_eos": True, "output_kind": kind, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def run_staggered(engine, requests, start_steps):
 
 def test_step_outputs_equal_generate_greedy_and_seeded(llm):
     sampled = SamplingParams(max_tokens=N, ignore_eos=True, temperature=1.0, seed=11)
-    mixed = [SamplingParams(max_tokens=N, ignore_eos=True), sampled] * 2
+    mixed = [SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True), sampled] * 2
     want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, mixed)]
     requests = [(f"r{i}", p, params(seed=11, temperature=1.0) if i % 2 else params())
                 for i, p in enumerate(PROMPTS)]
@@ -179,7 +179,7 @@ def test_bad_input(llm):
     with pytest.raises(Exception, match="admission must be one of"):
         LLM(distributed_executor_backend="uni", admission="rank1")
     with pytest.raises(Exception, match="output_kind must be a RequestOutputKind"):
-        SamplingParams(output_kind="delta")
+        SamplingParams(temperature=0.0, output_kind="delta")
 
 
 def test_zz_weight_update_mid_rollout_recomputes_running_requests(llm, ckpts):
@@ -194,9 +194,9 @@ def test_zz_weight_update_mid_rollout_recomputes_running_requests(llm, ckpts):
         for _ in range(cut):
             engine.step()
         llm.pause_generation(mode="keep")
-        llm.start_weight_update(version)
+        llm.start_weight_update()
         llm.collective_rpc("load_weights", args=(list(load_file(str(weights_dir / "model.safetensors")).items()),))
-        llm.finish_weight_update()
+        llm.finish_weight_update(version)
         if reset:
             assert llm.reset_prefix_cache() is False  # vLLM's rule: running requests hold blocks
             assert llm.reset_prefix_cache(reset_running_requests=True) is True

@@ -28,7 +28,7 @@ def ckpt(tmp_path_factory):
 
 
 def params(**kw) -> SamplingParams:
-    return SamplingParams(max_tokens=N, ignore_eos=True, **kw)
+    return SamplingParams(**{"temperature": 0.0, "max_tokens": N, "ignore_eos": True, **kw})
 
 
 def drive(llm, starts, abort_at=None):

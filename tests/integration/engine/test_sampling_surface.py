@@ -28,6 +28,7 @@ def llm(ckpt):
 
 
 def greedy(llm, prompt=PROMPT, **params):
+    params = {"temperature": 0.0, **params}  # greedy unless asked (vLLM's default is 1.0)
     (out,) = llm.generate([prompt], SamplingParams(max_tokens=params.pop("max_tokens", 16), ignore_eos=True,
                                                    **params))
     return out.outputs[0]
@@ -92,9 +93,9 @@ def test_min_tokens_masks_stop_ids_and_eos(llm, ckpt, tmp_path):
     (eos_ckpt / "config.json").write_text(json.dumps({**config, "eos_token_id": stop}))
     assert reference_greedy(eos_ckpt, PROMPT, 16, eos=stop) == plain[:plain.index(stop) + 1]
     with LLM(model=str(eos_ckpt), max_model_len=96, distributed_executor_backend="mp") as eos_llm:
-        early = eos_llm.generate([PROMPT], SamplingParams(max_tokens=16))[0].outputs[0]
+        early = eos_llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=16))[0].outputs[0]
         assert early.token_ids == plain[:plain.index(stop) + 1] and early.finish_reason == "stop"
-        late = eos_llm.generate([PROMPT], SamplingParams(max_tokens=16, min_tokens=6))[0].outputs[0]
+        late = eos_llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=16, min_tokens=6))[0].outputs[0]
         assert len(late.token_ids) >= 6 and stop not in late.token_ids[:6]
 
 
@@ -137,12 +138,12 @@ def test_prompt_logprobs_equal_the_uncached_forward(llm, ckpt):
         row = logp[j - 1]
         assert token in lp[j] and len(lp[j]) in (2, 3)
         assert math.isclose(lp[j][token].logprob, float(row[token]), abs_tol=1e-4)
-        assert lp[j][token].rank == int((row > row[token]).sum()) + 1
+        assert lp[j][token].rank == int((row >= row[token]).sum())  # vLLM: entries at least as likely
         assert {lp[j][t].rank for t in lp[j] if lp[j][t].rank <= 2} == {1, 2}
     assert greedy(llm, prompt=[5], prompt_logprobs=0).token_ids  # a one-token prompt: [None]
-    (single,) = llm.generate([[5]], SamplingParams(max_tokens=1, prompt_logprobs=0))
+    (single,) = llm.generate([[5]], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0))
     assert single.prompt_logprobs == [None]
-    (none,) = llm.generate([PROMPT], SamplingParams(max_tokens=1))
+    (none,) = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=1))
     assert none.prompt_logprobs is None
 
 
@@ -192,7 +193,7 @@ def test_preemption_with_steps_in_flight_changes_no_draw_and_no_penalty(llm, ckp
     (dict(presence_penalty=3), "presence_penalty"), (dict(frequency_penalty=float("nan")), "frequency_penalty"),
     (dict(min_tokens=-1), "min_tokens"), (dict(min_tokens=20, max_tokens=4), "min_tokens"),
     (dict(stop_token_ids=["a"]), "stop_token_ids"), (dict(stop_token_ids=[-1]), "stop_token_ids"),
-    (dict(prompt_logprobs=-1), "prompt_logprobs"), (dict(top_k=-2), "top_k")])
+    (dict(prompt_logprobs=-2), "prompt_logprobs"), (dict(top_k=-2), "top_k")])
 def test_bad_values_are_named_and_the_engine_keeps_working(llm, kwargs, name):
     with pytest.raises(ConfigError, match=name):
         SamplingParams(**kwargs)

@@ -26,7 +26,7 @@ def llm():  # one uni engine per process at a time: test_skip_special_tokens bui
 
 
 def one(llm, prompt=PROMPT, **params):
-    return llm.generate(prompt, SamplingParams(**{"max_tokens": 60, **params}))[0].outputs[0]
+    return llm.generate(prompt, SamplingParams(**{"temperature": 0.0, "max_tokens": 60, **params}))[0].outputs[0]
 
 
 @pytest.mark.timeout(120)
@@ -58,8 +58,8 @@ def test_include_stop_str_in_output(llm):
 @pytest.mark.timeout(120)
 def test_stop_strings_per_prompt_and_with_n(llm):
     prompts = [PROMPT, "Errors should", "Simple is"]
-    outs = llm.generate(prompts, [SamplingParams(max_tokens=40, stop="than"), SamplingParams(max_tokens=40),
-                                  SamplingParams(max_tokens=40, stop=["."], n=2)])
+    outs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=40, stop="than"), SamplingParams(temperature=0.0, max_tokens=40),
+                                  SamplingParams(temperature=0.0, max_tokens=40, stop=["."], n=2)])
     assert outs[0].outputs[0].text == " better "
     assert outs[1].outputs[0].text == continuation("Errors should")[:40]
     assert [c.text for c in outs[2].outputs] == [" better than complex"] * 2
@@ -73,7 +73,7 @@ def test_stop_strings_in_other_engine_layouts(layout):
     mp PP = 2: two steps in flight (the batch queue), each request in one of them."""
     prompts = [PROMPT, "Errors should", "Simple is", "Readability"]
     with LLM(max_model_len=256, **layout) as llm:
-        outs = llm.generate(prompts, SamplingParams(max_tokens=60, stop=["than", "silently"]))
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=60, stop=["than", "silently"]))
     got = [(o.outputs[0].text, o.outputs[0].stop_reason) for o in outs]
     assert got == [(" better ", "than"), (" never pass ", "silently"), (" better ", "than"),
                    (continuation("Readability")[:60], None)], got
@@ -116,7 +116,7 @@ def _word_level_tokenizer(path, vocab_size: int, special: dict[int, str]) -> Non
 def test_skip_special_tokens(tmp_path):
     """A special token in the output is in the text only with skip_special_tokens=False."""
     ckpt = make_tiny_checkpoint(tmp_path / "tiny", seed=3)
-    prompt, params = [5, 6, 7], dict(max_tokens=8, ignore_eos=True)
+    prompt, params = [5, 6, 7], dict(max_tokens=8, ignore_eos=True, temperature=0.0)
     with LLM(model=str(ckpt), max_model_len=64) as llm:
         ids = llm.generate([prompt], SamplingParams(**params))[0].outputs[0].token_ids
     marked = ids[3]  # a token the model writes, made special in the tokenizer below

@@ -84,7 +84,7 @@ def test_engine_stores_listen_on_loopback_and_segments_are_private(layout):
     before = set(listening(os.getpid()))
     llm = LLM(**layout)
     try:
-        llm.generate(["Beautiful is"], SamplingParams(max_tokens=4))
+        llm.generate(["Beautiful is"], SamplingParams(temperature=0.0, max_tokens=4))
         hosted = [a for a in listening(os.getpid()) if a not in before]
         assert hosted, "the engine's rendezvous store was not found among this process's sockets"
         assert all(is_loopback(a) for a in hosted), hosted

@@ -66,7 +66,7 @@ def test_no_stale_reply_after_a_worker_error():
             with pytest.raises(RuntimeError, match="^Executor failed.$"):
                 llm.collective_rpc(_rank)
         with pytest.raises(EngineDeadError, match="Executor failed."):
-            llm.generate(["Beautiful is"], SamplingParams(max_tokens=3))
+            llm.generate(["Beautiful is"], SamplingParams(temperature=0.0, max_tokens=3))
         assert wait_gone(pids, 5), "a failed executor's workers must be ended"
 
 
@@ -114,12 +114,12 @@ def _break_execute_model_on_rank1(w):
 @pytest.mark.timeout(120)
 def test_non_output_rank_exception_in_a_step_fails_generate_fast():
     with LLM(tensor_parallel_size=2, timeout_s=30) as llm:
-        assert llm.generate(["Beautiful is"], SamplingParams(max_tokens=3))[0].outputs[0].token_ids
+        assert llm.generate(["Beautiful is"], SamplingParams(temperature=0.0, max_tokens=3))[0].outputs[0].token_ids
         llm.collective_rpc(_break_execute_model_on_rank1)
         start = time.monotonic()
         with pytest.raises(EngineDeadError,
                            match="Worker failed with error 'RuntimeError: injected fault in execute_model'"):
-            llm.generate(["Beautiful is"], SamplingParams(max_tokens=20))
+            llm.generate(["Beautiful is"], SamplingParams(temperature=0.0, max_tokens=20))
         assert time.monotonic() - start < 1.0
 
 

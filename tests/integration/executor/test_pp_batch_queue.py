@@ -96,7 +96,7 @@ def run(ckpt, params, **kwargs):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("params", [SamplingParams(max_tokens=12, ignore_eos=True),
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
                                     SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, seed=11)],
                          ids=["greedy", "seeded"])
 def test_mp_pp2_with_two_steps_in_flight_matches_uni(ckpt, params):
@@ -125,9 +125,9 @@ def test_a_worker_death_with_two_steps_in_flight_fails_the_call_and_every_later_
             if "at" not in killed:
                 killed["at"] = time.monotonic()
                 os.kill(pids[1], signal.SIGKILL)
-        params = [SamplingParams(max_tokens=2 if i == 0 else 25, ignore_eos=True) for i in range(len(PROMPTS))]
+        params = [SamplingParams(temperature=0.0, max_tokens=2 if i == 0 else 25, ignore_eos=True) for i in range(len(PROMPTS))]
         with pytest.raises(EngineDeadError):
             llm.generate(PROMPTS, params, progress=kill_last_stage)
         assert time.monotonic() - killed["at"] < 10
         with pytest.raises(EngineDeadError, match="Executor failed"):
-            llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2))
+            llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=2))

@@ -39,7 +39,7 @@ def test_an_llm_built_in_a_thread_keeps_its_processes(layout):
     llm = build_in_a_thread(**layout)  # the building thread has exited now
     try:
         time.sleep(0.5)  # a parent-death signal, if any, has been delivered by now
-        out = llm.generate(["Beautiful is", "Errors should"], SamplingParams(max_tokens=16))
+        out = llm.generate(["Beautiful is", "Errors should"], SamplingParams(temperature=0.0, max_tokens=16))
         assert out[0].outputs[0].text.startswith(" better than")
         assert out[1].outputs[0].text.startswith(" never pass")
     finally:

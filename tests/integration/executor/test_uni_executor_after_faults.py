@@ -34,12 +34,12 @@ def test_a_step_that_raises_fails_every_later_call(async_scheduling):
     with LLM(max_model_len=64, async_scheduling=async_scheduling) as llm:
         llm.collective_rpc(fail_the_fifth_step)
         with pytest.raises(EngineDeadError, match="injected fault"):
-            llm.generate(["Beautiful is"], SamplingParams(max_tokens=20))
+            llm.generate(["Beautiful is"], SamplingParams(temperature=0.0, max_tokens=20))
         entered = llm.llm_engine.model_executor.driver_worker.model_runner.steps_entered
         assert entered == 5  # nothing ran after the failed step
         refusal = (r"engine failed earlier \(step 5 failed: .*injected fault\)" if async_scheduling
                    else r"Executor failed. \(step 5 raised RuntimeError: injected fault\)")
         with pytest.raises(EngineDeadError, match=refusal):
-            llm.generate(["Beautiful is"], SamplingParams(max_tokens=5))
+            llm.generate(["Beautiful is"], SamplingParams(temperature=0.0, max_tokens=5))
         with pytest.raises(RuntimeError, match="Executor failed"):
             llm.collective_rpc("get_runner_stats")

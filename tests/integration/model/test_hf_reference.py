@@ -115,7 +115,7 @@ def disagreements(prompt, tokens, logprobs, ref: torch.Tensor) -> list[str]:
 
 
 def engine_outputs(path: Path, prompts, **layout):
-    params = SamplingParams(max_tokens=MAX_TOKENS, logprobs=TOP_K, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=TOP_K, ignore_eos=True)
     with LLM(model=str(path), **layout) as llm:
         outs = llm.generate(prompts, params)
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]

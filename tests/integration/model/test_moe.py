@@ -272,11 +272,11 @@ def test_cli_exits_2_when_experts_do_not_split_over_ep(checkpoints, tmp_path):
 def test_expert_parallel_on_a_dense_model_warns_once_and_changes_nothing(caplog):
     with caplog.at_level(logging.WARNING, logger="spmd_engine"):
         with LLM(enable_expert_parallel=True) as llm:
-            with_ep = llm.generate(["Hello"], SamplingParams(max_tokens=8))[0].outputs[0].token_ids
+            with_ep = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=8))[0].outputs[0].token_ids
     warnings = [r for r in caplog.records if "enable_expert_parallel has no effect" in r.getMessage()]
     assert len(warnings) == 1
     with LLM() as llm:
-        assert llm.generate(["Hello"], SamplingParams(max_tokens=8))[0].outputs[0].token_ids == with_ep
+        assert llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=8))[0].outputs[0].token_ids == with_ep
 
 
 # ---- plan ---------------------------------------------------------------------------------------------

@@ -115,7 +115,7 @@ def test_uni_equals_transformers_with_prefix_hits_and_preemption(checkpoints, mo
 
 def test_off_by_default_and_bad_values(checkpoints):
     with LLM(model=str(checkpoints["mixtral"])) as llm:
-        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))
+        out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     assert out[0].outputs[0].routed_experts is None
     with pytest.raises(ConfigError, match="enable_return_routed_experts must be True or False, got 'yes'"):
         LLM(model=str(checkpoints["mixtral"]), enable_return_routed_experts="yes")

@@ -230,6 +230,6 @@ def test_ids_outside_the_vocabulary_and_an_unknown_mode_are_refused(ckpt, tmp_pa
         for kwargs, name in ((dict(logit_bias={300: 1.0}), "logit_bias"), (dict(allowed_token_ids=[3, 999]), "allowed_token_ids")):
             with pytest.raises(ConfigError, match=f"prompt 0: {name} has token id .* outside the vocabulary"):
                 llm.generate([[1, 2]], SamplingParams(**kwargs))
-        assert llm.generate([[1, 2]], SamplingParams(max_tokens=2))[0].outputs[0].token_ids  # still serves
+        assert llm.generate([[1, 2]], SamplingParams(temperature=0.0, max_tokens=2))[0].outputs[0].token_ids  # still serves
     # JSON's string keys are token ids too.
-    assert SamplingParams(logit_bias={"7": 2}).logit_bias == {7: 2.0}
+    assert SamplingParams(temperature=0.0, logit_bias={"7": 2}).logit_bias == {7: 2.0}

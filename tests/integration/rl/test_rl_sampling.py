@@ -82,13 +82,13 @@ def test_sampled_token_logprobs_in_vllm_shape(llm, ckpt):
         assert math.isclose(step[token].logprob, float(logp[t, token]), abs_tol=1e-4)
         assert step[token].rank == int((logp[t] > logp[t, token]).sum()) + 1
     # Greedy with top-2: ranks 1 and 2, the sampled token is rank 1.
-    (greedy,) = llm.generate([PROMPT], SamplingParams(max_tokens=3, logprobs=2))
+    (greedy,) = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=3, logprobs=2))
     first = greedy.outputs[0]
     assert sorted(lp.rank for lp in first.logprobs[0].values()) == [1, 2]
     assert first.logprobs[0][first.token_ids[0]].rank == 1
     # Without logprobs: none, and no cumulative logprob.
     assert greedy.outputs[0].cumulative_logprob is not None
-    (plain,) = llm.generate([PROMPT], SamplingParams(max_tokens=3))
+    (plain,) = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=3))
     assert plain.outputs[0].logprobs is None and plain.outputs[0].cumulative_logprob is None
 
 
@@ -96,14 +96,14 @@ def test_sampled_token_logprobs_in_vllm_shape(llm, ckpt):
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
 def test_bad_n_is_named(llm, bad):
     with pytest.raises(ConfigError, match=f"n must be an integer >= 1.*n={bad!r}"):
-        SamplingParams(n=bad)
+        SamplingParams(temperature=0.0, n=bad)
     assert len(sampled(llm, [PROMPT], n=2)[0].outputs) == 2
 
 
 @pytest.mark.timeout(60)
 def test_on_output_streams_each_prompt_once_with_all_samples(llm):
     seen = []
-    outs = llm.generate([PROMPT, [3, 4]], SamplingParams(max_tokens=4, n=3),
+    outs = llm.generate([PROMPT, [3, 4]], SamplingParams(temperature=0.0, max_tokens=4, n=3),
                         on_output=lambda i, o: seen.append((i, len(o.outputs))))
     assert sorted(seen) == [(0, 3), (1, 3)]
     assert [o.request_id for o in outs] == [o.request_id for o in outs if "_" not in o.request_id]

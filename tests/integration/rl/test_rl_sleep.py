@@ -10,7 +10,7 @@ from spmd_engine import LLM, SamplingParams
 from spmd_engine.config import ConfigError
 
 PROMPTS = [list(range(1, 40)), [4, 5, 6, 7, 8], [9, 10]]
-GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 # The tiny model: 512 bytes of K/V per token at TP=1. 8 MiB of blocks, every one written by FILL.
 KV_BYTES = 8 << 20
 FILL = [[(7 * i + j) % 290 + 1 for j in range(56)] for i in range(256)]
@@ -29,7 +29,7 @@ def tokens(llm) -> list[list[int]]:
 def test_sleep_1_then_wake_up_gives_identical_outputs_and_frees_the_kv_cache(ckpt):
     with LLM(model=str(ckpt), max_model_len=64, enable_sleep_mode=True, kv_cache_memory_bytes=KV_BYTES) as llm:
         want = tokens(llm)
-        llm.generate(FILL, SamplingParams(max_tokens=8, ignore_eos=True))  # touch every KV page
+        llm.generate(FILL, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))  # touch every KV page
         assert llm.get_stats()[0]["num_blocks"] * 16 * 512 == KV_BYTES
         rss_before = llm.collective_rpc("memory_usage")[0]["rss_bytes"]
         (report,) = llm.sleep(level=1)

@@ -22,7 +22,7 @@ from spmd_engine.model.layers.packed_weights import is_packed
 # The first prompt spans two full 16-token blocks: a second generate hits the prefix cache.
 PROMPTS = [list(range(1, 40)), [4, 5, 6, 7, 8], [9, 10]]
 MAX_TOKENS = 8
-GREEDY = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")

@@ -168,7 +168,7 @@ def test_mp_engines_one_after_another_and_a_callable_that_does_not_pickle():
     texts = []
     for _ in range(3):
         with LLM(tensor_parallel_size=2, seed=0) as llm:
-            texts.append(llm.generate(["Beautiful is"], SamplingParams(max_tokens=12))[0].outputs[0].text)
+            texts.append(llm.generate(["Beautiful is"], SamplingParams(temperature=0.0, max_tokens=12))[0].outputs[0].text)
             assert llm.collective_rpc(lambda worker: worker.tp_group.rank_in_group) == [0, 1]
             with pytest.raises(TypeError, match="cannot send .*lambda.* it does not pickle .*_thread.lock"):
                 llm.collective_rpc(lambda worker: lock)

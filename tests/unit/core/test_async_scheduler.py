@@ -70,7 +70,7 @@ def requests():
     out = []
     for i in range(9):
         prompt = [(i * 7 + j) % 40 + 1 for j in range(2 + (i * 5) % 13)]
-        params = SamplingParams(max_tokens=1 + (i * 3) % 9, ignore_eos=i % 4 == 0)
+        params = SamplingParams(temperature=0.0, max_tokens=1 + (i * 3) % 9, ignore_eos=i % 4 == 0)
         out.append(Request(str(i), prompt, params, seed=i))
     return out
 
@@ -102,7 +102,7 @@ def run(async_scheduling: bool, **kw):
 
 def test_a_sampling_request_is_scheduled_again_before_its_token_is_known():
     s = make_scheduler(True)
-    s.add_request(Request("a", [5, 6, 7], SamplingParams(max_tokens=4), seed=0))
+    s.add_request(Request("a", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4), seed=0))
     first = s.schedule()
     second = s.schedule(in_flight=1, max_in_flight=2)
     (seq,) = second.seqs
@@ -114,18 +114,18 @@ def test_a_sampling_request_is_scheduled_again_before_its_token_is_known():
 
 def test_not_scheduled_ahead_of_a_token_that_may_end_it_by_length():
     s = make_scheduler(True)
-    s.add_request(Request("a", [5, 6, 7], SamplingParams(max_tokens=1), seed=0))
+    s.add_request(Request("a", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=1), seed=0))
     s.schedule()
     assert s.schedule(in_flight=1, max_in_flight=2) is None  # its only token is in flight
     s = make_scheduler(True, max_model_len=4)
-    s.add_request(Request("b", [5, 6, 7], SamplingParams(max_tokens=9), seed=0))
+    s.add_request(Request("b", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=9), seed=0))
     s.schedule()
     assert s.schedule(in_flight=1, max_in_flight=2) is None  # that token fills max_model_len
 
 
 def test_without_async_scheduling_a_request_in_flight_waits():
     s = make_scheduler(False)
-    s.add_request(Request("a", [5, 6, 7], SamplingParams(max_tokens=4), seed=0))
+    s.add_request(Request("a", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4), seed=0))
     s.schedule()
     assert s.schedule(in_flight=1, max_in_flight=2) is None and s.running[0].num_output_placeholders == 0
 
@@ -150,7 +150,7 @@ def test_tokens_equal_synchronous_scheduling_under_preemption():
 
 def test_a_request_aborted_with_a_step_in_flight_frees_its_blocks_and_drops_the_token():
     s, runner = make_scheduler(True), FakeRunner()
-    a = Request("a", [5, 6, 7], SamplingParams(max_tokens=8), seed=0)
+    a = Request("a", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=8), seed=0)
     s.add_request(a)
     first = s.schedule()
     second = s.schedule(in_flight=1, max_in_flight=2)

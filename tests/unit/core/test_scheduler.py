@@ -119,10 +119,10 @@ def test_prefix_hits_stop_short_of_the_last_token_and_follow_the_chain():
     b = make("b", prompt_len=12)
     assert kv.get_computed_blocks(b) == kv.blocks_of("a")[:2]
     # A request sharing only the first block's tokens hits one block.
-    c = Request("c", list(range(1, 5)) + [50] * 8, SamplingParams(), seed=0)
+    c = Request("c", list(range(1, 5)) + [50] * 8, SamplingParams(temperature=0.0), seed=0)
     assert kv.get_computed_blocks(c) == kv.blocks_of("a")[:1]
     # Same tokens in block 2 but a different block 1: no hit past block 0 (chain hash).
-    d = Request("d", list(range(1, 5)) + [50] * 4 + list(range(9, 13)) + [0], SamplingParams(), seed=0)
+    d = Request("d", list(range(1, 5)) + [50] * 4 + list(range(9, 13)) + [0], SamplingParams(temperature=0.0), seed=0)
     assert kv.get_computed_blocks(d) == kv.blocks_of("a")[:1]
 
 
