@@ -5,7 +5,7 @@ plan CLI) stays free of torch until a model is actually needed.
 """
 
 __all__ = ["LLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "Logprob", "SamplingMask",
-           "ModelRegistry"]
+           "ModelRegistry", "EngineArgs", "LLMEngine"]
 
 
 def __getattr__(name):
@@ -18,6 +18,12 @@ def __getattr__(name):
     if name in ("RequestOutput", "CompletionOutput", "Logprob", "SamplingMask"):
         from spmd_engine.engine import outputs
         return getattr(outputs, name)
+    if name == "EngineArgs":  # vLLM exports both at the top (torchtitan and ms-swift import them so)
+        from spmd_engine.engine.arg_utils import EngineArgs
+        return EngineArgs
+    if name == "LLMEngine":
+        from spmd_engine.engine.llm_engine import LLMEngine
+        return LLMEngine
     if name == "ModelRegistry":
         from spmd_engine.model.registry import ModelRegistry
         return ModelRegistry

@@ -183,6 +183,9 @@ class ModelConfig:
     # (architecture, class or "module:Class") when the model's architecture was registered with
     # ModelRegistry in this process: spawned workers and DP engine processes register it too.
     model_registration: tuple | None = None
+    # The longest sequence (prompt and output), set from the checkpoint and LLM(max_model_len=...)
+    # when the engine is configured (vLLM's model_config.max_model_len: lm-eval reads it).
+    max_model_len: int | None = None
 
     @property
     def model_dir(self) -> str:

@@ -101,7 +101,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     detokenize: bool = True
     skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # vLLM reads it for slow tokenizers only; none here is
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stream_interval: int | None = None
     structured_outputs: object | None = None  # refused when set (no grammar backend yet)
@@ -170,8 +170,7 @@ class SamplingParams:
         one-line error naming each, never a silent default."""
         unsupported = {"watermarking": self.watermarking is not None and self.watermarking is not False,
                        "thinking_token_budget": self.thinking_token_budget is not None,
-                       "structured_outputs": self.structured_outputs is not None,
-                       "spaces_between_special_tokens": self.spaces_between_special_tokens is not True}
+                       "structured_outputs": self.structured_outputs is not None}
         for name, set_ in unsupported.items():
             if set_:
                 raise ConfigError(f"SamplingParams.{name}={getattr(self, name)!r} is not supported by spmd_engine")

@@ -59,6 +59,19 @@ def pytest_configure(config):
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(shared_cache_dir(factory)))
 
 
+# Folders whose every test launches processes (torchrun, srun stand-ins, the CLIs, a fresh
+# install): the slow suite, run by the README's second command (`-m slow`). Elsewhere a test
+# that costs as much carries @pytest.mark.slow itself.
+SLOW_FOLDERS = (("e2e",), ("integration", "distributed"))
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        parts = Path(str(item.path)).resolve().relative_to(_TESTS).parts
+        if any(parts[:len(folder)] == folder for folder in SLOW_FOLDERS):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(autouse=True)
 def _clean_launcher_env(monkeypatch):
     for name in LAUNCHER_VARS:

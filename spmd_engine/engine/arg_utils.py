@@ -43,7 +43,7 @@ class _EngineArgFields:
     prefill_context_parallel_size: int = 1
     decode_context_parallel_size: int = 1
     distributed_executor_backend: str | type | None = None
-    seed: int | None = None
+    seed: int | None = 0  # vLLM's; None means 0 too
     dtype: str | None = None
     max_model_len: int | None = None
     max_num_seqs: int | None = DEFAULT_MAX_NUM_SEQS
@@ -122,6 +122,7 @@ class EngineArgs(_EngineArgFields):
         inputs = InputProcessor(model_config.model_dir, self.max_model_len,
                                 skip_tokenizer_init=bool(self.skip_tokenizer_init))
         inputs.max_logprobs = checked_max_logprobs(self.max_logprobs, inputs.vocab_size)
+        model_config.max_model_len = inputs.max_model_len
         from spmd_engine.engine.generation_config import default_sampling_kwargs
         inputs.default_sampling_kwargs = default_sampling_kwargs(
             model_config.model_dir, self.generation_config, self.override_generation_config)

@@ -87,6 +87,21 @@ def checkpoint_templates(model_dir: str | os.PathLike) -> dict[str, str]:
     return templates
 
 
+def load_chat_template(value: str | os.PathLike | None) -> str | None:
+    """LLM(chat_template=...) as vLLM takes it: a file's path (its text is the template), or the
+    template text itself (it holds a brace or a newline); anything else is a path that failed."""
+    if value is None:
+        return None
+    try:
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    except OSError as exc:
+        text = str(value)
+        if any(c in text for c in "{}\n"):
+            return text
+        raise ConfigError(f"chat_template {text!r} looks like a file path but cannot be read: {exc}") from None
+
+
 def choose_template(model_dir: str | os.PathLike, chat_template: str | None, tools) -> str:
     """`chat_template` (template text, or the name of one of the checkpoint's), else the
     checkpoint's: its "tool_use" one when tools are given and it has one, else "default"."""

@@ -263,12 +263,14 @@ class EngineCore:
                                f"{kv.pool.num_blocks - kv.num_free_blocks} KV blocks in use")
         self.scheduler.reset_prefix_cache()
         reports = self.executor.collective_rpc("sleep", (level,))
+        self.executor.sleeping_tags |= {"weights", "kv_cache"}
         logger.info("sleep(level=%d): %.1f MiB of RSS given back over %d workers", level,
                     sum(r["freed_bytes"] for r in reports) / 2**20, len(reports))
         return reports
 
     def wake_up(self, tags: list[str]) -> None:
         self.executor.collective_rpc("wake_up", (tags,))
+        self.executor.sleeping_tags -= set(tags)
 
     def get_stats(self) -> dict:
         """Scheduler and block counters, the output rank's runner counters (`runner`), and the DP

@@ -30,7 +30,7 @@ class LLM:
     def __init__(self, model: str | None = None, *, tensor_parallel_size: int = 1,
                  pipeline_parallel_size: int = 1, data_parallel_size: int = 1,
                  prefill_context_parallel_size: int = 1, decode_context_parallel_size: int = 1,
-                 distributed_executor_backend: str | type | None = None, seed: int | None = None,
+                 distributed_executor_backend: str | type | None = None, seed: int | None = 0,
                  dtype: str | None = None, max_model_len: int | None = None,
                  max_num_seqs: int | None = DEFAULT_MAX_NUM_SEQS, enable_expert_parallel: bool = False,
                  pp_partition: str | None = None, device: str | None = None, timeout_s: float | None = None,
@@ -76,8 +76,10 @@ class LLM:
             generation_config=generation_config, override_generation_config=override_generation_config,
             enable_sleep_mode=enable_sleep_mode, admission=check_mode(admission),
             skip_tokenizer_init=skip_tokenizer_init, **vllm_kwargs)
+        from spmd_engine.engine.chat_template import load_chat_template
+        template = load_chat_template(chat_template)
         self._start(engine_args.create_engine_config(), engine_args.enable_sleep_mode, engine_args.admission)
-        self.chat_template = chat_template
+        self.chat_template = template
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "LLM":

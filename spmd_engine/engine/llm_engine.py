@@ -96,6 +96,12 @@ class LLMEngine:
         """vLLM's (0.16+): clear the encoder cache. There is none here; ms-swift calls it after
         every weight update."""
 
+    @property
+    def renderer(self):
+        """vLLM's prompt renderer (engine/renderer.py)."""
+        from spmd_engine.engine.renderer import Renderer
+        return Renderer(self.inputs)
+
     def get_tokenizer(self):
         if self.inputs.tokenizer is None:
             raise RuntimeError(f"this engine has no tokenizer ({self.inputs._tokenizer_error})")

@@ -51,6 +51,17 @@ class _RequestState:
         self.sent_text = [0] * len(samples)
         self.sent_prompt_logprobs = 0  # DELTA: prompt positions already returned
         self.seen_tokens = [0] * len(samples)  # counted into the generation-token metric
+        self.emitted_at: int | None = None  # output tokens when the last running output went out
+
+    def due(self) -> bool:
+        """SamplingParams.stream_interval (vLLM's): a running request's output goes out for its
+        first tokens, then once every `stream_interval` tokens (a DELTA then carries them all)."""
+        interval = self.new.params.stream_interval or 1
+        tokens = sum(self.seen_tokens)
+        if self.emitted_at is not None and tokens - self.emitted_at < interval:
+            return False
+        self.emitted_at = tokens
+        return True
 
     @property
     def finished(self) -> bool:
@@ -112,7 +123,7 @@ class OutputProcessor:
             kind = state.new.params.output_kind
             if done:
                 self._forget(state)
-            if kind is RequestOutputKind.FINAL_ONLY and not done:
+            if not done and (kind is RequestOutputKind.FINAL_ONLY or not state.due()):
                 continue
             outputs.append((state.new.origin, self._output(state, kind, done)))
         return outputs

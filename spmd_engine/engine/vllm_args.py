@@ -59,6 +59,7 @@ RESULT_CHANGING = {
     "logits_processors": None, "runner": "auto", "convert": "auto", "task": "auto", "calculate_kv_scales": False,
     "return_sampling_mask": False, "mm_processor_kwargs": None, "disable_sliding_window": False,
     "logits_processor_pattern": None, "enable_lora_bias": False, "fully_sharded_loras": False,
+    "tokenizer_mode": "auto",
 }
 
 

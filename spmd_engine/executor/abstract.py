@@ -51,7 +51,14 @@ class Executor(ABC):
         self.config = config
         self.parallel_config = config.parallel_config
         self.is_failed = False
+        # What sleep gave back and wake_up has not brought back ("weights", "kv_cache"); vLLM's
+        # executor.is_sleeping reads it (ms-swift checks it before each wake).
+        self.sleeping_tags: set[str] = set()
         self._init_executor()
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self.sleeping_tags)
 
     @staticmethod
     def get_class(config: EngineConfig) -> type["Executor"]:

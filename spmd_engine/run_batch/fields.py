@@ -30,8 +30,10 @@ READ = {
     True: _COMMON_READ | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                           "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "documents"}}
 
-# Scheduling, tracing, render-only and streaming-only fields, and length_penalty (beam search only).
+# Scheduling, tracing, render-only and streaming-only fields, length_penalty (beam search only) and
+# spaces_between_special_tokens (vLLM reads it for slow tokenizers only; every one here is fast).
 _COMMON_ACCEPTED = {"user", "request_id", "session_id", "cache_salt", "stream_interval", "length_penalty",
+                    "spaces_between_special_tokens",
                     "truncation_side", "routed_experts_prompt_start", "return_token_offsets", "mm_payload",
                     "return_mm_kwargs"}
 ACCEPTED = {False: _COMMON_ACCEPTED,
@@ -45,7 +47,6 @@ _COMMON_REFUSED = {
     "logprob_token_ids": _unset, "structured_outputs": _unset,
     "response_format": lambda v: v is None or v == {"type": "text"},
     "priority": lambda v: v is None or v == 0, "thinking_token_budget": lambda v: v is None or v == -1,
-    "spaces_between_special_tokens": lambda v: v is None or v is True,
     "return_tokens_as_token_ids": _unset, "return_token_ids": _unset, "return_weight_versions": _unset,
     "kv_transfer_params": _unset, "ec_transfer_params": _unset, "vllm_xargs": _unset,
     "repetition_detection": _unset,

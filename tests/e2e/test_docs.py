@@ -49,7 +49,8 @@ NOT_COPIED = (".git", ".venv", "*.egg-info", "__pycache__", ".pytest_cache", "bu
 # Every block marked skip, by (page, its first line): why it cannot run here.
 SKIPPED = {
     ("README.md", "python3 -m venv .venv && .venv/bin/pip install -c constraints.txt -e '.[test]' && "
-                  ".venv/bin/ruff check . && .venv/bin/python -m pytest -n 2 -rs tests"): "the whole suite",
+                  ".venv/bin/ruff check . && .venv/bin/python -m pytest -n 2 -m \"not slow\" -rs tests"): "the quick suite",
+    ("README.md", ".venv/bin/python -m pytest -n 2 -m slow -rs tests"): "the slow suite",
     ("docs/rl-colocation.md", 'dist.init_process_group("gloo")                            '
                               "# the trainer's world, first"): "an outline of scripts/examples/rl_colocate.py",
     ("docs/slurm-and-multinode.md", "TP=4 DP=2 PYTHON=$PWD/.venv/bin/python PROMPTS_FILE=$PWD/prompts.jsonl "

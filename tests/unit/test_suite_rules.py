@@ -23,17 +23,20 @@ def test_missing_reference_fails_under_ci(monkeypatch):
         require_reference("no_such_reference_pkg")
 
 
-def test_ci_runs_the_readme_test_command_verbatim():
-    """.ci/run's command is the README's, character for character: it lints, then runs the suite
-    and prints skip reasons."""
+def test_ci_runs_the_readme_test_commands_verbatim():
+    """.ci/run's two commands are the README's, character for character: it lints, runs the quick
+    suite, then the slow one, and prints skip reasons; together they select every test."""
     from launch import REPO
 
     readme = (REPO / "README.md").read_text()
-    block = readme.split("**Run the whole test suite**", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    section = readme.split("**Run the tests**", 1)[1]
+    blocks = [part.split("```", 1)[0].strip() for part in section.split("```bash\n")[1:3]]
     ci_lines = (REPO / ".ci" / "run").read_text().strip().splitlines()
-    assert block.strip() == ci_lines[-1], (block, ci_lines[-1])
-    assert " -rs " in ci_lines[-1] and "'.[test]'" in ci_lines[-1]
-    assert ".venv/bin/ruff check . && " in ci_lines[-1]  # the lint runs before the suite, in CI too
+    assert blocks == ci_lines[-2:], (blocks, ci_lines[-2:])
+    quick, slow = ci_lines[-2:]
+    assert quick.endswith('-m "not slow" -rs tests') and slow.endswith("-m slow -rs tests")
+    assert "'.[test]'" in quick and ".venv/bin/ruff check . && " in quick  # the lint runs first, in CI too
+    assert "set -euo pipefail" in ci_lines  # a failing first command stops CI
     assert any(line.startswith('export CI="${CI:-1}"') for line in ci_lines)  # missing references fail
 
 

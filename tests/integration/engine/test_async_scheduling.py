@@ -190,6 +190,7 @@ def test_uni_abort_or_pause_then_sleep_with_a_step_scheduled_ahead():
             assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params)] == want
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_mp_tp2_outputs_equal_synchronous_scheduling(tmp_path):
     ckpt = make_tiny_checkpoint(tmp_path / "tiny", seed=0)
@@ -209,6 +210,7 @@ def test_mp_tp2_outputs_equal_synchronous_scheduling(tmp_path):
     assert (results[False, "peak"], results[True, "peak"]) == (1, 2)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.xdist_group("world4")
 def test_torchrun_tp2_dp2_outputs_equal_synchronous_scheduling(tmp_path):

@@ -65,6 +65,7 @@ def needle_mismatches(llm: LLM, trials: int, seed: int = 0) -> list[str]:
     return bad
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_needle_invariant_across_batches_budgets_cache_and_preemption(tiny, dtype):
     """Default budget, chunks of 16 and 64, block size 8, prefix hits (warm: the same needle
@@ -143,6 +144,7 @@ def test_thread_count_does_not_change_bits(tmp_path):
     assert results[1] == results[0] and results[2] == results[0]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 @pytest.mark.xdist_group("world8")
 def test_layouts_tp_1_2_4_8_pp_dp_ep_and_moe(tiny, tmp_path):

@@ -55,6 +55,7 @@ def runner_stats(llm: LLM) -> dict:
 BATCHES = [prompts(1), prompts(3, 1), prompts(8, 2), prompts(5, 3)]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_compiled_greedy_equals_eager_one_graph_and_the_log_line(tiny, caplog):
     with LLM(model=str(tiny), enforce_eager=True) as llm:
@@ -89,6 +90,7 @@ def test_chunks_of_layers_share_one_graph_and_equal_eager(tiny):
         assert runner_stats(llm)["compiled_graphs"] == 2  # general and decode, chunk length 2
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_the_final_norm_runs_in_the_last_chunks_graph(tiny):
     """On the last stage each chunk's graph also returns the final RMSNorm of its result: a
@@ -120,6 +122,7 @@ def test_the_final_norm_runs_in_the_last_chunks_graph(tiny):
         assert calls == [1]  # one token, below min_tokens: eager layers, eager norm
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_one_token_steps_have_a_graph_of_their_own(tiny):
     """The default min_tokens (1): a single request's decode steps (one token each) run through
@@ -240,6 +243,7 @@ def test_batch_invariant_runs_eager_and_says_so(tiny, caplog):
         assert runner_stats(llm)["compiled_graphs"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_mp_tp2_compiled_equals_eager(tiny):
     """Real worker processes, the all-reduce (shared memory) between them outside the graph.
@@ -256,6 +260,7 @@ def test_mp_tp2_compiled_equals_eager(tiny):
         assert len(loaded) == 2 and sum(2 - n for n in loaded) <= 2, loaded  # built by one rank, not both
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_mp_pp2_compiled_equals_eager(tiny):
     """The later stage compiles from a dummy intermediate (no embedding on it)."""
@@ -286,6 +291,7 @@ def test_weights_swapped_under_the_graph_are_read(tiny, tmp_path):
         assert runner_stats(llm)["compiled_graphs"] == 2
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_bf16_weights_packed_for_the_avx512_kernel_run_in_the_graph(tmp_path, monkeypatch):
     """A bf16 model's weights in the hand-written kernel's layout (4-D, model/layers/vnni_gemm.py)

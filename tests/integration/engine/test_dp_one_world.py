@@ -25,6 +25,7 @@ def _groups(worker):
     return dist.get_rank(), dist.get_world_size(), groups, check_groups()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("backend", ["mp", "uni"])
 def test_dp_replicas_share_one_world_with_the_planned_groups(tmp_path, backend):

@@ -80,6 +80,7 @@ def test_dense_model_under_dp_runs_no_waves(ckpt, monkeypatch):
     assert stats[0]["steps"] != stats[1]["steps"]  # uneven, and nobody waited for anybody
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_mp_moe_dp2_ep_uneven_then_one_prompt(moe):
     jobs = [LONG, SHORT]  # replica 0: the long one, replica 1: the short one
@@ -127,6 +128,7 @@ def test_mp_moe_dp2_without_ep_splits_each_expert_over_dp_x_tp(moe):
     assert shards == [[(half, 0, 2)], [(half, half, 2)]]  # replica 0's worker, then replica 1's
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("tp,extra", [(1, EP), (2, EP), (2, {})], ids=["dp2-ep", "tp2xdp2-ep", "tp2xdp2-no-ep"])
 def test_torchrun_moe_ep_uneven_prompts(moe, tmp_path, tp, extra):
@@ -139,6 +141,7 @@ def test_torchrun_moe_ep_uneven_prompts(moe, tmp_path, tp, extra):
     assert by_replica[1]["stats"]["dummy_steps"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_torchrun_moe_ep_with_an_idle_replica(moe, tmp_path):
     results = {r["replica"]: r for r in _torchrun(moe, tmp_path, 1, [LONG], EP)}
@@ -176,6 +179,7 @@ def test_mp_moe_worker_death_in_one_replica_ends_both_promptly(moe):
         llm.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_run_cli_under_torchrun_with_fewer_prompts_than_replicas(moe, tmp_path):
     """`spmd_engine.run` under torchrun, DP 2 + EP, one prompt: the replica with no share must

@@ -42,6 +42,7 @@ def generate(ckpt, **kwargs):
     dict(data_parallel_size=2),
     dict(data_parallel_size=2, tensor_parallel_size=2, max_num_seqs=2),
 ], ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "uni")
+@pytest.mark.slow
 def test_every_layout_matches_reference(ckpt, expected, layout):
     assert generate(ckpt, **layout) == expected
 
@@ -54,6 +55,7 @@ def test_backend_resolution_in_llm(ckpt):
         assert llm.config.parallel_config.distributed_executor_backend == "mp"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_seeded_sampling_is_layout_independent(ckpt):
     params = SamplingParams(max_tokens=8, temperature=0.9, top_k=50, top_p=0.95, ignore_eos=True)
@@ -159,6 +161,7 @@ def test_mp_processes_are_the_plan_and_visible_in_ps(ckpt):
     assert len(names) + 1 == plan.total
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_mp_workers_share_the_cores_unless_told_otherwise(ckpt, monkeypatch, capfd):
     """Unset OMP_NUM_THREADS: each of a host's workers gets cores // workers threads.

@@ -69,6 +69,7 @@ def test_uni_every_cache_setting_matches_reference(ckpt, expected, settings):
     dict(block_size=32, max_num_batched_tokens=64, enable_prefix_caching=False,
          kv_cache_memory_bytes=2 * 32 * 128),
 ], ids=["chunk16,preempt", "block32,chunk64,no-prefix-cache,2-blocks"])
+@pytest.mark.slow
 def test_mp_tp2_pp2_cache_settings_match_reference(ckpt, expected, settings):
     # TP=2 x PP=2: 128 bytes per token per rank (2 layers x 1 KV head x 8 dims x fp32 x K,V).
     tokens, stats = generate(ckpt, tensor_parallel_size=2, pipeline_parallel_size=2, **settings)
@@ -79,6 +80,7 @@ def test_mp_tp2_pp2_cache_settings_match_reference(ckpt, expected, settings):
         assert stats[0]["peak_running"] == 2  # one 32-token block each: two at a time, the rest wait
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_torchrun_tp2_pp2_dp2_chunked_and_preempted_matches_reference(ckpt, expected, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
@@ -136,6 +138,7 @@ def test_reset_prefix_cache_drops_every_cached_block(ckpt):
         assert llm.get_stats()[0]["runner"]["prefill_tokens"] - before == 40  # nothing was reused
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_prefix_stats_and_reset_reach_mp_and_dp_replicas(ckpt):
     prompt = list(range(1, 41))

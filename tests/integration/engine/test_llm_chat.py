@@ -80,7 +80,7 @@ def test_chat_template_tools_and_continue_final_message(llm, hf):
 def test_chat_errors(llm):
     with pytest.raises(ConfigError, match="cannot both be set"):
         llm.chat(CONVERSATIONS[0], PARAMS, continue_final_message=True)
-    with pytest.raises(ConfigError, match="LoRA"):
+    with pytest.raises(NotImplementedError, match="lora_request: LoRA adapters are not supported"):
         llm.chat(CONVERSATIONS[0], PARAMS, lora_request=object())
 
 
@@ -88,6 +88,7 @@ def run_cli(*args):
     return run_checked([sys.executable, "-m", "spmd_engine.run", *map(str, args), "--quiet"], "chat-cli", 120)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_run_prompts_file_with_messages(ckpt, hf, tmp_path):
     prompts = tmp_path / "chat.jsonl"

@@ -160,6 +160,7 @@ def test_engine_seed_none_is_vllms_0_and_must_be_an_integer(ckpt):
         LLM(model=str(ckpt), seed="1")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_llm_under_srun_is_external_launcher_with_fresh_randomness_agreed_by_ranks(tmp_path, ckpt):
     """Stand-in srun, 2 tasks, no torchrun variables: LLM resolves to external_launcher (as the

@@ -52,6 +52,7 @@ def drive(llm, starts, abort_at=None):
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2, pipeline_parallel_size=2), dict(data_parallel_size=2)],
                          ids=["mp-tp2xpp2", "mp-dp2"])
+@pytest.mark.slow
 def test_mp_steps_equal_generate(ckpt, layout):
     with LLM(model=str(ckpt), seed=0, timeout_s=60, **layout) as llm:
         want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, [params(), params(), params(seed=2, temperature=1.0)])]
@@ -66,6 +67,7 @@ def test_mp_steps_equal_generate(ckpt, layout):
     assert all(s["free_blocks"] == s["num_blocks"] for s in blocks)  # every block back after the abort
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.xdist_group("world8")
 def test_torchrun_tp2xpp2xdp2_admission_modes(ckpt, tmp_path):

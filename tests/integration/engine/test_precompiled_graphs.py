@@ -76,6 +76,7 @@ def child(tiny, env_cache, kv_bytes: int) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_fresh_process_loads_the_saved_graph_and_equals_eager(tiny, cache):
     want = eager_tokens(tiny)
@@ -93,6 +94,7 @@ def test_a_fresh_process_loads_the_saved_graph_and_equals_eager(tiny, cache):
     assert first["tokens"] == second["tokens"] == want
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_an_unreadable_saved_graph_is_compiled_again_and_replaced(tiny, cache, caplog, tmp_path_factory,
                                                                   monkeypatch):
@@ -129,6 +131,7 @@ def _model(tiny, dtype=torch.float32):
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @torch.inference_mode()
 def test_inputs_the_package_refuses_run_eager(tiny, tmp_path_factory, monkeypatch):

@@ -68,6 +68,7 @@ def test_stop_strings_per_prompt_and_with_n(llm):
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("layout", [dict(data_parallel_size=2), dict(pipeline_parallel_size=2)],
                          ids=["dp2", "mp-pp2"])
+@pytest.mark.slow
 def test_stop_strings_in_other_engine_layouts(layout):
     """DP = 2: each replica's EngineCore runs in its own process and finds the strings there;
     mp PP = 2: two steps in flight (the batch queue), each request in one of them."""

@@ -132,3 +132,20 @@ def test_sleep_levels_modes_and_the_scheduling_tag(llm):
     with pytest.raises(ValueError, match="sleep mode must be one of"):
         llm.sleep(mode="later")
     assert ids(llm.generate(PROMPTS, GREEDY)) == want
+
+
+@pytest.mark.timeout(120)
+def test_stream_interval_sends_a_running_request_every_n_tokens(llm):
+    """vLLM's rule: the first token, then every `stream_interval` tokens, and the finish; the
+    deltas still add up to the whole output."""
+    engine = llm.llm_engine
+    for interval, sends in [(None, 10), (3, 4), (5, 3)]:  # tokens 1, 4, 7, 10 and 1, 6, 10
+        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, stream_interval=interval,
+                                output_kind=RequestOutputKind.DELTA)
+        engine.add_request(f"s{interval}", "Beautiful is", params)
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += engine.step()
+        assert len(outs) == sends, interval
+        assert [t for o in outs for t in o.outputs[0].token_ids] == ids(
+            llm.generate(["Beautiful is"], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)))[0]

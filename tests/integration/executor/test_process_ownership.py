@@ -58,6 +58,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_workers_still_end_when_the_owning_process_dies(tmp_path):
     """The other half: with no thread-bound signal, the process's own death still ends them."""

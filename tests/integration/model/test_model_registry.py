@@ -113,6 +113,7 @@ def test_mp_tp2_workers_build_the_class_registered_in_the_engine_process(registr
         assert tokens(llm) == expected
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_torchrun_tp2_every_rank_registers_and_builds_the_class(base, expected, tmp_path):
     from launch import REPO, run_torchrun

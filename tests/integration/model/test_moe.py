@@ -78,12 +78,14 @@ def check_against_hf(path: Path, prompts, outputs, hf=None) -> list[str]:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("name, layout", CASES, ids=[n + "".join(f"-{k.split('_')[0]}{v}" for k, v in l.items())
                                                      for n, l in CASES])
+@pytest.mark.slow
 def test_engine_matches_transformers(checkpoints, name, layout):
     prompts = prompts_for(CONFIGS[name]["vocab_size"])
     problems = check_against_hf(checkpoints[name], prompts, engine_outputs(checkpoints[name], prompts, **layout))
     assert not problems, "\n".join(problems[:10])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_expert_parallel_keeps_greedy_output_and_matches_transformers(checkpoints):
     """TP 2 with the experts split by width vs whole experts over the EP group: same tokens."""
@@ -96,6 +98,7 @@ def test_expert_parallel_keeps_greedy_output_and_matches_transformers(checkpoint
     assert not problems, "\n".join(problems[:10])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", ["ep", "tp"])
 def test_torchrun_tp2_matches_transformers(checkpoints, tmp_path, mode):

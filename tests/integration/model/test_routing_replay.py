@@ -136,6 +136,7 @@ LAUNCHES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("launch", LAUNCHES)
 def test_layouts_equal_transformers(checkpoints, tmp_path, launch):

@@ -30,6 +30,7 @@ def _run(extra: list[str]) -> tuple[list[float], list[float], list[str]]:
     return curve, diffs, versions
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_grpo_reward_rises_when_the_weights_reach_the_engine():
     curve, diffs, versions = _run([])
@@ -38,6 +39,7 @@ def test_grpo_reward_rises_when_the_weights_reach_the_engine():
     assert curve[-1] == max(curve) and curve[-1] > curve[0] + 2.0, curve  # here: 1.50 -> 5.75
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_without_the_weight_push_the_engine_stays_on_the_old_policy():
     curve, diffs, versions = _run(["--no-weight-sync"])
@@ -47,6 +49,7 @@ def test_without_the_weight_push_the_engine_stays_on_the_old_policy():
     assert max(curve) < curve[0] + 2.0, curve
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_batch_invariant_trainer_and_engine_logprobs_are_equal_bit_for_bit():
     """The engine in batch-invariant mode (TP=2 replicas) and the engine's own model as the

@@ -206,6 +206,7 @@ def test_mp_collective_rpc_load_and_reload(ckpts, layout):
         assert tokens(llm) == expected(old)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_torchrun_tp2_pp2_each_rank_loads_its_stage_and_matches_the_new_checkpoint(ckpts):
     import json

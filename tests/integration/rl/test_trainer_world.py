@@ -32,6 +32,7 @@ def _check(reports: dict[int, dict]) -> None:
         assert r["barrier"] and r["default_alive"], r
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_torchrun_trainer_world_survives_two_llms():
     launch = run_torchrun(4, [SCRIPT, "env"], timeout=130)
@@ -39,6 +40,7 @@ def test_torchrun_trainer_world_survives_two_llms():
     assert not launch.leftover_pids and not launch.stale_segments()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("scheme", ["tcp", "file"])
 def test_hand_made_trainer_world_without_launcher_env(scheme, tmp_path):

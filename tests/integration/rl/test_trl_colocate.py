@@ -100,6 +100,7 @@ def test_trl_sequence_at_tp1_with_the_environment_set_by_hand(checkpoints):
     assert "max_num_seqs" not in launch.stderr  # None means the default, as in vLLM
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_trl_sequence_at_tp1_compiled_with_graphs_built_in_the_rank(bf16_checkpoints, tmp_path):
     """The same in bf16, where the forward compiles by default (as vLLM's does), with an empty
@@ -118,6 +119,7 @@ def test_trl_sequence_at_tp1_compiled_with_graphs_built_in_the_rank(bf16_checkpo
     assert report["compiled"] == {"built": 3, "loaded": 0}, report["compiled"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_trl_sequence_under_torchrun_tp2_dp2_in_the_trainers_world(checkpoints):
     """TRL's layout: the trainer's world of 4 first (accelerate), TP subgroups of 2 made by
@@ -131,6 +133,7 @@ def test_trl_sequence_under_torchrun_tp2_dp2_in_the_trainers_world(checkpoints):
     assert len({tuple(r["blocks"]) for r in reports}) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_engines_built_one_after_another_under_torchrun_tp2_dp2(checkpoints):
     """No trainer world: each engine makes the world itself. The first engine and two fresh
@@ -156,6 +159,7 @@ def test_vllm_torchrun_example_ranks_with_different_memory_settings_agree():
     assert len(texts) == 8 and len(set(texts)) == 4, texts  # each prompt: one text on both ranks
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_mp_engines_one_after_another_and_a_callable_that_does_not_pickle():
     """Three mp TP 2 engines in turn in one process, equal outputs; collective_rpc sends lambdas

@@ -126,6 +126,7 @@ def test_bad_protocol_calls_are_named_and_change_nothing(ckpts, expected):
         assert generate(llm) == (expected[1], 10)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_torchrun_tp2_dp2_a_failure_on_one_rank_is_refused_on_every_rank(ckpts, expected):
     from launch import REPO, run_torchrun

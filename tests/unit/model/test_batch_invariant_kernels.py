@@ -134,6 +134,7 @@ def attend_chunks(seqs, chunks):
     return [torch.cat(o) for o in out]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv,d", [(8, 2, 16), (4, 1, 128), (4, 1, 8)])
 def test_attention_queries_ignore_batch_chunks_heads_and_threads(threads, heads, kv, d, dtype):

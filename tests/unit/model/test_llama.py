@@ -91,6 +91,7 @@ def test_layouts_world2_match_reference(checkpoints):
     assert [results[r]["pp2 partition 4,1"]["layers"] for r in range(2)] == [(0, 4), (4, 5)]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_layouts_world4_match_reference(checkpoints):
     layouts = [("tp4", 4, 1, "llama", None), ("pp4", 1, 4, "llama", None), ("tp2 pp2", 2, 2, "llama", None),

@@ -322,6 +322,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_cpu_with_avx512_but_not_bf16_gets_the_fp32_path(tmp_path):
     """Skylake to Ice Lake: AVX-512 F, BW and VL without AVX512-BF16. The library is built as

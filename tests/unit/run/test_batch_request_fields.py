@@ -83,7 +83,7 @@ def test_defaults_are_vllms_and_the_models():
     (COMPLETIONS, "structured_outputs", {"regex": "a+"}), (CHAT, "use_beam_search", True),
     (COMPLETIONS, "logprob_token_ids", [1]), (COMPLETIONS, "prompt_embeds", "AAAA"),
     (CHAT, "truncate_prompt_tokens", 5), (CHAT, "reasoning_effort", "low"), (CHAT, "chat_template", "{{ x }}"),
-    (COMPLETIONS, "spaces_between_special_tokens", False), (COMPLETIONS, "priority", 1),
+    (COMPLETIONS, "priority", 1),
     (CHAT, "return_token_ids", True), (COMPLETIONS, "vllm_xargs", {"a": 1}),
     (CHAT, "stream_options", {"include_usage": True}), (CHAT, "repetition_detection", {"max_pattern_size": 2}),
     (CHAT, "thinking_token_budget", 8), (COMPLETIONS, "kv_transfer_params", {"a": 1}),
@@ -94,7 +94,7 @@ def test_unsupported_fields_are_400_naming_them(url, field, value):
 
 def test_unsupported_fields_at_their_default_and_harmless_fields_are_accepted():
     defaults = dict(response_format={"type": "text"}, suffix=None, best_of=2, n=2, use_beam_search=False,
-                    priority=0, spaces_between_special_tokens=True, stream=False, user="u", model="m",
+                    priority=0, spaces_between_special_tokens=False, stream=False, user="u", model="m",
                     request_id="r", length_penalty=1.0, thinking_token_budget=-1, logprob_token_ids=None)
     assert error(**defaults) is None and error(CHAT, **defaults, parallel_tool_calls=True) is None
     assert '"tool_choice"' in error(CHAT, tools=[{"type": "function"}], tool_choice="required")

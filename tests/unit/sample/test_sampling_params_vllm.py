@@ -58,11 +58,16 @@ def test_max_tokens_none_is_allowed_and_min_tokens_checked_only_against_a_number
 
 
 @pytest.mark.parametrize("field, value", [("watermarking", True), ("thinking_token_budget", 10),
-                                          ("structured_outputs", object()),
-                                          ("spaces_between_special_tokens", False)])
+                                          ("structured_outputs", object())])
 def test_vllm_fields_that_would_change_a_result_are_refused_by_name(field, value):
     with pytest.raises(ConfigError, match=f"SamplingParams.{field}=.* is not supported"):
         SamplingParams(**{field: value})
+
+
+def test_spaces_between_special_tokens_is_accepted_as_vllm_accepts_it_for_fast_tokenizers():
+    """lm-eval passes False on every generate_until; vLLM's detokenizer reads it only for slow
+    (Python) tokenizers, and every tokenizer here is a fast one."""
+    assert SamplingParams(spaces_between_special_tokens=False).spaces_between_special_tokens is False
 
 
 def test_from_optional_and_clone():
