@@ -25,9 +25,9 @@ from spmd_engine.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from spmd_engine.core import kv_sizing
 from spmd_engine.engine.dp_waves import needs_dp_waves
 from spmd_engine.engine.vllm_args import accept_vllm_kwargs, none_means_default
-from spmd_engine.worker import kv_sizing
 
 logger = logging.getLogger("spmd_engine")
 
@@ -212,9 +212,9 @@ def resolve_compilation(enforce_eager: bool | None, compilation_config, model_co
                         device: str, dtype=None) -> CompilationConfig:
     """The level the workers use: enforce_eager (or SPMD_ENGINE_ENFORCE_EAGER=1) means 0;
     otherwise the level asked for, by default 3 on CPU in bf16/fp16, where the fused
-    elementwise work pays (engine decode B=8 1.2-1.3x eager, docs/performance.md); fp32 on CPU
-    measured about as fast at decode (1.03-1.09x) for a slower start, and CUDA is not measured
-    (no CUDA graphs): those compile by request only. Batch-invariant mode and MoE models run
+    elementwise work pays (docs/performance.md); fp32 on CPU decodes about as fast compiled as
+    eager for a slower start, and CUDA is not measured (no CUDA graphs): those compile by
+    request only. Batch-invariant mode and MoE models run
     eager, said in one log line."""
     from dataclasses import replace
     compilation = CompilationConfig.parse(compilation_config)

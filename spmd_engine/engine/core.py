@@ -8,6 +8,7 @@ import time
 from collections import deque
 
 from spmd_engine.config import EngineConfig
+from spmd_engine.core import kv_sizing
 from spmd_engine.core.kv_cache_manager import KVCacheManager
 from spmd_engine.core.request import Request
 from spmd_engine.core.scheduler import Scheduler
@@ -16,7 +17,6 @@ from spmd_engine.engine.metrics import LatencyHistogram
 from spmd_engine.engine.overlapped_steps import OverlappedSteps
 from spmd_engine.engine.stop_strings import StopStringWatcher
 from spmd_engine.executor.abstract import Executor
-from spmd_engine.worker import kv_sizing
 
 logger = logging.getLogger("spmd_engine")
 

@@ -154,8 +154,9 @@ class LLM:
         if mm_processor_kwargs is not None:
             raise ConfigError("mm_processor_kwargs: multimodal inputs are not supported by spmd_engine")
         for one in _per_prompt(lora_request):
-            for p in _per_prompt(priority if priority is not None else 0):
-                check_request_extras(one, p)
+            check_request_extras(one, 0)
+        for one in _per_prompt(priority if priority is not None else 0):
+            check_request_extras(None, one)
         self._llm_engine.check_can_generate()
         engine = self._llm_engine
         busy = engine.get_num_unfinished_requests()

@@ -5,8 +5,8 @@ reply, so two steps in flight through the batch queue is all async scheduling
 needs. Here the worker is in this process. Running the step on a second thread
 would be the obvious shape, and on CPU it is the wrong one: torch's OpenMP runtime
 (libgomp) cuts its spinning once more threads run parallel regions than there are
-cores, and measured on 2 cores every parallel region of the process, both threads',
-then took about twice as long (B=8 bf16 decode 0.36x synchronous). So the step stays
+cores, and then every parallel region of the process, both threads', runs far slower
+(docs/performance.md, async scheduling). So the step stays
 on this thread and the host's work moves: while this thread runs step k, a helper
 thread applies step k-1's output (tokens, finishes, stop strings) and schedules
 step k+1 (the tokens step k samples are placeholders the runner fills in). The

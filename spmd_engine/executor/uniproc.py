@@ -11,8 +11,8 @@ the mp executor's do after a worker error, instead of running on that state.
 
 Steps run in the caller's thread, also under async scheduling (the engine's host
 work moves to a thread of its own instead, engine/overlapped_steps.py): torch's
-OpenMP runtime slows every parallel region of the process about 2x once a second
-thread runs them beside the first on a machine with as many threads as cores.
+OpenMP runtime slows every parallel region of the process once a second thread runs
+them beside the first on a machine with as many threads as cores.
 """
 
 from __future__ import annotations

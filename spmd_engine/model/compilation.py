@@ -12,7 +12,7 @@ each entry into a graph has a fixed cost (dynamo's frame and guards, the wrapper
 decode sizes eight of them a step cost more than the fusion gained (docs/performance.md). On
 the last pipeline stage every chunk also returns the final norm of its result (RMSNorm of hidden
 + residual, with the model's norm weight): the last chunk's is the model's output, so the final
-norm costs no eager ops (nine, about 0.1 ms a decode step), and every chunk keeping one signature
+norm costs no eager ops, and every chunk keeping one signature
 keeps one graph per chunk length (an earlier chunk's norm, one small fused loop, is thrown away).
 The embedding, rotary cos/sin, the LM head and sampling stay eager.
 
@@ -24,7 +24,7 @@ Three things inside a layer are opaque to the compiler, each a custom op with a 
   - `spmd_engine::linear`: the matmul, oneDNN-packed weight or not: inductor cannot read a
     packed tensor, and traced, a packed weight looks like a plain one (a weight packed for
     vnni_gemm is a plain 4-D tensor: the graph calls that kernel's C++ op itself, with no Python
-    on the way, about 10 us a call less);
+    on the way);
   - `spmd_engine::all_reduce`: the TP sum over our shared-memory path (distributed/), never
     traced: the group is looked up by a number fixed at set-up.
 A step's token count N varies: the chunk's inputs are marked dynamic along it, so one graph
@@ -32,8 +32,8 @@ serves every N >= 2. Decode-shaped steps (one new token per request, each with a
 steps of a generation) get graphs of their own, where attention is not the opaque op but
 traced (attention.decode_attention, its metadata a tuple of tensors passed in: slots, block
 tables dynamic along N and the number of blocks, sequence lengths), so inductor fuses the cache
-reads into a few loops; the opaque op's Python, dispatch and SDPA's fixed work cost about 200 us
-a layer at decode sizes. One decode token (a single request's decode) has a graph of its own,
+reads into a few loops; at decode sizes the opaque op's Python, dispatch and SDPA's fixed work
+cost more than the attention itself (docs/performance.md). One decode token (a single request's decode) has a graph of its own,
 since dynamo specialises a size of 1; a lone one-token step of another kind runs eager, as do
 steps of fewer than `min_tokens` tokens. On CPU only: on CUDA decode steps run their layers
 eager, replayed as CUDA graphs (CompiledLayers.decode_graphs says why).
@@ -207,8 +207,8 @@ class CompiledLayers:
         self.ahead = precompiled.applies(backend, model.device)
         # Decode graphs trace attention, its in-place cache write included: on CPU the compiled
         # graph writes the slots in place; through dynamo on CUDA the write became a copy of the
-        # whole cache every step (105 ms a step against eager's 7.5 on an H200, and out of memory
-        # at --gpu-memory-utilization 0.9). There decode steps run their layers eager (replayed
+        # whole cache every step (many times eager's step, and out of memory at
+        # --gpu-memory-utilization 0.9: docs/performance.md). There decode steps run their layers eager (replayed
         # as CUDA graphs, worker/decode_graphs.py) and the other steps go through the graph.
         self.decode_graphs = model.device.type == "cpu"
         self.min_tokens = max(1, int(min_tokens))

@@ -64,7 +64,7 @@ def choose_dtype(dtype: str | torch.dtype | None, hf_config: dict[str, Any], dev
     """(dtype, the start-up line saying why). An explicit dtype wins. `auto` (or None) is the
     checkpoint's own dtype on accelerators; on CPU it is the checkpoint's half type only where
     the CPU runs it natively (cpu_native_half), else float32: emulated (AVX2) bf16 matmuls are
-    3-5x slower than fp32's, and fp16 without AMX-FP16 no faster (docs/running.md, "On CPU")."""
+    slower than fp32's, and fp16 without AMX-FP16 no faster (docs/running.md, "On CPU")."""
     if isinstance(dtype, torch.dtype):
         return dtype, f"dtype {_name(dtype)} (explicit)"
     if dtype not in (None, "auto"):
@@ -177,7 +177,7 @@ def load_model(model_dir: str | os.PathLike | None, tp_group, pp_group, dtype: s
                          ep_size=ep_size)
     torch_dtype = resolve_dtype(dtype, hf_config, device)
     # Built straight on `device` with uninitialised storage of shard size (not via the meta
-    # device: a first meta tensor imports torch's symbolic-shape machinery, 0.45 s per rank).
+    # device: a first meta tensor imports torch's symbolic-shape machinery, a cost every rank pays).
     model = model_cls(hf_config, tp_group, pp_group, dtype=torch_dtype, device=device, pp_partition=pp_partition,
                       moe_group=moe_group, expert_parallel=expert_parallel, dispatch_group=dispatch_group,
                       batch_invariant=batch_invariant)

@@ -65,8 +65,8 @@ _MIN = {"N": 2, "NB": 2, "B": 2}
 
 def applies(backend: str, device: torch.device | str = "cpu") -> bool:
     """Inductor with its caches on (`torch.compiler.config`, which inductor's own config
-    aliases: reading it imports no compiler), on CPU: on an H200 (torch 2.11) loading a CUDA
-    package crashed the process, so compiled CUDA models go through dynamo at every start."""
+    aliases: reading it imports no compiler), on CPU: loading a CUDA package crashed the process
+    (docs/performance.md), so compiled CUDA models go through dynamo at every start."""
     import torch.compiler.config
     return (backend == "inductor" and not torch.compiler.config.force_disable_caches
             and torch.device(device).type == "cpu")

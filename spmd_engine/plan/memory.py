@@ -1,7 +1,7 @@
 """`plan --gpu-memory`: does this model fit this layout, and how much KV cache is left?
 
 Per rank: its weights (rank_weights.py: the engine's model on the meta device),
-then the engine's own rules (worker/kv_sizing.py) for the activation reserve and
+then the engine's own rules (core/kv_sizing.py) for the activation reserve and
 the KV budget, fed the card's size less those weights where a GPU would report
 its free memory, and the KV blocks all ranks then agree on (the minimum, as the
 workers do). The verdict names the numbers and the smallest TP x PP that fits
@@ -11,12 +11,12 @@ such cards. On CPU the same numbers come from the CPU budget rule.
 from __future__ import annotations
 
 from spmd_engine.config import ConfigError, ParallelConfig
+from spmd_engine.core import kv_sizing
 from spmd_engine.model.layers.packed_weights import packing_applies
 from spmd_engine.model.loader import resolve_dtype
 from spmd_engine.model.partition import check_layout, default_pp_partition
 from spmd_engine.plan.rank_weights import RankModels
 from spmd_engine.topology import Layout
-from spmd_engine.worker import kv_sizing
 
 
 def memory_plan(setup, layout: Layout, gpu_memory: int | None, gpus_per_node: int = 8) -> dict:

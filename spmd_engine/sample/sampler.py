@@ -25,6 +25,7 @@ import torch
 
 from spmd_engine.config import LOGPROBS_MODES
 from spmd_engine.model.layers import batch_invariant as bi
+from spmd_engine.model.layers.greedy import greedy_tokens
 from spmd_engine.sample import draw as sample_draw
 from spmd_engine.sample import logits_processors as procs
 from spmd_engine.sample.penalties import apply_penalties, mask_stop_ids
@@ -242,33 +243,6 @@ def logprob_entries(logits: torch.Tensor, tokens: torch.Tensor, counts: list[int
             entry.update((i, (v, r)) for r, (i, v) in enumerate(zip(top_ids[row][:k], top_vals[row][:k]), start=1))
         out.append(entry)
     return out
-
-
-def greedy_tokens(x: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax: the first index of its maximum, or of its first NaN.
-
-    On CPU torch's argmax and max(dim) walk a row element by element (about 200 us over decode's
-    8 x 32k logits, a few percent of a step); amax is vectorised. So: each chunk's amax, the first
-    chunk holding the row's maximum (max(dim) over a few hundred values), and the index within
-    it, with the tail beyond the last whole chunk compared last (tests/unit/sample/test_sampler.py
-    holds this equal to argmax through ties, NaNs and infinities; docs/performance.md the cost)."""
-    if not x.is_cpu:
-        return x.argmax(dim=-1)
-    rows, vocab = x.shape
-    whole = vocab // _CHUNK * _CHUNK
-    if whole < 2 * _CHUNK or x.stride(-1) != 1:
-        return x.max(dim=-1).indices
-    head = x[:, :whole].unflatten(1, (whole // _CHUNK, _CHUNK))  # [rows, chunks, _CHUNK], a view
-    best, chunk = head.amax(dim=-1).max(dim=-1)  # a NaN is the max of amax and of max alike
-    index = chunk * _CHUNK + head[torch.arange(rows), chunk].max(dim=-1).indices
-    if whole == vocab:
-        return index
-    tail, at = x[:, whole:].max(dim=-1)
-    later = (tail > best) | (tail.isnan() & ~best.isnan())  # ties go to the earlier index
-    return torch.where(later, at + whole, index)
-
-
-_CHUNK = 128  # greedy_tokens' chunk of a row
 
 
 def _index(rows: list[int], device) -> torch.Tensor:

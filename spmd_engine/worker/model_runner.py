@@ -19,6 +19,7 @@ from collections import Counter
 import torch
 
 from spmd_engine.config import EngineConfig
+from spmd_engine.core import kv_sizing
 from spmd_engine.core.step_messages import (
     EMPTY_MODEL_RUNNER_OUTPUT,
     PLACEHOLDER_TOKEN_ID,
@@ -26,7 +27,6 @@ from spmd_engine.core.step_messages import (
     SchedulerOutput,
 )
 from spmd_engine.sample.sampler import Sampler, SamplerOutput, logprob_entries
-from spmd_engine.worker import kv_sizing
 
 logger = logging.getLogger("spmd_engine")
 
@@ -107,7 +107,7 @@ class ModelRunner:
         compiled forward is built first, on a scratch cache of two blocks: its tracing and
         inductor's autotuning then have the memory the KV cache would take, and give it back
         before the device is measured (vLLM profiles a compiled run before sizing its cache; at
-        --gpu-memory-utilization 0.9 autotuning after sizing ran out of memory on an H200)."""
+        --gpu-memory-utilization 0.9 autotuning after sizing ran out of memory)."""
         if self.device.type == "cuda" and self.model.compiled_layers is not None and self.compile_seconds is None:
             self.model.allocate_kv_cache(2, self.block_size)
             try:

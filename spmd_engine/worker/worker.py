@@ -182,7 +182,7 @@ class Worker:
         """(blocks, bytes per token): this rank's budget in blocks, the minimum over the world."""
         import torch.distributed as dist
 
-        from spmd_engine.worker import kv_sizing
+        from spmd_engine.core import kv_sizing
         runner = self.model_runner
         per_token = runner.model.kv_bytes_per_token()
         budget = runner.kv_budget_bytes()

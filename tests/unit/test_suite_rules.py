@@ -57,3 +57,35 @@ def test_rank_scripts_write_whole_lines():
     offenders = {path.name: lines for path in sorted((REPO / "tests" / "helpers" / "dist_scripts").glob("*.py"))
                  if (lines := print_calls(path.read_text()))}
     assert not offenders, f"print() in rank scripts (write whole lines with sys.stdout.write): {offenders}"
+
+
+FIGURE = __import__("re").compile(
+    r"\b\d+(\.\d+)?x\b(?! ?\d)|\b\d+(\.\d+)?(-\d+(\.\d+)?)? ?(ms|us|µs|tok/s|GB/s)\b|\b(H100|H200|A100)\b.*\b(step|ms|crash)")
+
+
+def prose(source: str) -> list[tuple[int, str]]:
+    """(line, text) of every docstring and comment of a module."""
+    import ast
+    import io
+    import tokenize
+    texts = [(tok.start[0], tok.string) for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+             if tok.type == tokenize.COMMENT]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=False)
+            if doc:
+                texts.append((getattr(node, "lineno", 1), doc))
+    return texts
+
+
+def test_code_says_what_and_why_not_how_fast():
+    """Measured figures (ratios, times, a named card's step) belong in docs/performance.md, where
+    their machine and date are; a docstring keeps the decision and the invariant."""
+    from launch import REPO
+
+    assert sorted(line for line, _ in prose('"""0.36x synchronous."""\nx = 1  # about 200 us a step\n')
+            if FIGURE.search(_)) == [1, 2]  # the check sees both kinds
+    offenders = [f"{path.relative_to(REPO)}:{line}: {FIGURE.search(text).group(0)}"
+                 for path in sorted((REPO / "spmd_engine").rglob("*.py"))
+                 for line, text in prose(path.read_text()) if FIGURE.search(text)]
+    assert not offenders, "figures in docstrings or comments:\n" + "\n".join(offenders)

@@ -175,7 +175,7 @@ class AttentionMetadata:
                        device) -> "AttentionMetadata":
         """`build` for a step of one new token per cached request (most steps of a generation), from
         Python lists in two tensor constructions: the general path's dozen small tensor ops cost
-        about 80 us a step here, more than the decode graph's attention. The same metadata: one
+        more than the decode graph's attention (docs/performance.md). The same metadata: one
         cached group in scheduler order, block tables [B, nb] cut to the blocks any token reads,
         and the DecodeStep (its tables padded to 2 blocks at least) built with it."""
         B = len(context_lens)
@@ -331,8 +331,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     """paged_attention for a decode-shaped step, written for inductor to trace: the cache write,
     then per token a dot product with each key it sees, a softmax and a weighted sum of values,
     all in float32, the gather from the cache folded into the loads (no copy of the keys).
-    Eager this is slower than SDPA; compiled it is a few fused loops where the opaque op cost
-    about 200 us a layer in Python, dispatch and SDPA's fixed work (docs/performance.md).
+    Eager this is slower than SDPA; compiled it is a few fused loops where the opaque op's
+    Python, dispatch and SDPA's fixed work cost more than the attention (docs/performance.md).
     q [N, heads, D], k and v [N, kv_heads, D], `step` a DecodeStep or its tuple of tensors;
     returns [N, heads * D]."""
     slots, block_tables, seq_lens = step

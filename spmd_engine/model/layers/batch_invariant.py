@@ -67,7 +67,7 @@ MIN_COLUMNS = 256  # and no narrower (MKL's narrow products sum in another order
 GRAIN = 32768  # torch's elementwise kernels split work between threads from this many elements
 MAX_SCORES = 1 << 22  # score elements per attention call (tiles are independent: any split)
 PAD_LIMIT = 1.25  # keys a call reads for its tiles, at most this many times those they need
-EXP_FLOOR = -87.0  # exp of less is subnormal or 0, where torch's exp is 10-100x slower (measured)
+EXP_FLOOR = -87.0  # exp of less is subnormal or 0, where torch's exp is far slower (docs/performance.md)
 
 
 def uses_onednn(x: torch.Tensor) -> bool:
@@ -265,7 +265,7 @@ def sequence_tiles(context: int, queries: int, group: int) -> list[tuple[int, in
     cached and `queries` new ones. Neither a tile's size nor its key length changes a query's
     bits, so both are chosen for speed: a decode (or a few queries) gets one tile reading the
     KEY_BLOCKs it needs; a prompt one tile per run of queries that read the same power-of-two
-    key length (keys gathered once a run, at most 2x the causal work), each a power of two,
+    key length (keys gathered once a run, at most twice the causal work), each a power of two,
     at most MAX_SCORES scores a tile."""
     if queries * group <= MIN_ROWS:
         return [(0, 1 << (queries - 1).bit_length(), _blocks(context + queries))]

@@ -2,8 +2,7 @@
 
 A decode-shaped step (one new token per request, each with a cache) is most of a generation's
 steps. Its attention, as torch code, was SDPA behind two gathers eager and a few inductor loops
-compiled, about 100 us a layer either way at eight tokens, most of the step's time outside the
-matmuls (docs/performance.md). The kernel writes the step's K/V to their slots and attends,
+compiled, either way most of the step's time outside the matmuls (docs/performance.md). The kernel writes the step's K/V to their slots and attends,
 every token on its own keys only (its bits do not depend on the batch), in float32.
 
 It serves every CPU dtype, needs only g++ (no particular instruction set), and where it cannot

@@ -93,5 +93,5 @@ class ParallelLMHead(VocabParallelEmbedding):
         them (vnni_gemm.linear_argmax): no float copy, no second pass."""
         if self.group.world_size == 1 and not self.batch_invariant and layout(self.weight) == "vnni":
             return vnni_gemm.linear_argmax(hidden, self.weight, self.vocab_size)
-        from spmd_engine.sample.sampler import greedy_tokens
+        from spmd_engine.model.layers.greedy import greedy_tokens
         return greedy_tokens(self.compute_logits(hidden))

@@ -3,7 +3,7 @@
 Each source is compiled with g++ for this CPU (`-march=native`) the first time a process needs
 it and kept in the compile cache folder, named by a hash of everything that decides the binary
 (the source, torch, Python, the compiler, the CPU's flags), under a lock, so the processes of
-one job build it once and later processes only load it (about 10 ms, against 10-15 s to build).
+one job build it once and later processes only load it (loading is cheap, building is not).
 """
 
 from __future__ import annotations

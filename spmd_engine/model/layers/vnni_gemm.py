@@ -1,26 +1,25 @@
 """The decode GEMM of kernels/vnni_gemm.cpp, bf16 and fp32: built once per machine, loaded, checked.
 
-On CPUs with AVX512-BF16, oneDNN's packed bf16 call costs 30-40 us before it reads a byte and
-its one-row call is as slow as its eight-row one; the hand-written kernel streams a weight
-repacked for `vdpbf16ps` and took 0.58x oneDNN's time for a decode step's matmuls at one row
-and 0.87x at eight (docs/performance.md). It is compiled with g++ for this CPU
+On CPUs with AVX512-BF16, oneDNN's packed bf16 call has a fixed cost before it reads a byte
+and its one-row call is as slow as its eight-row one; the hand-written kernel streams a weight
+repacked for `vdpbf16ps` and takes less time than oneDNN for a decode step's matmuls
+(docs/performance.md has the figures). It is compiled with g++ for this CPU
 (`-march=native`) the first time a process needs it and kept in the compile cache folder,
 under a lock, so the processes of one job build it once; a CPU without the instructions, a
 machine without g++, a failed build or a trial that disagrees with `F.linear` leaves the
 weights to oneDNN (`SPMD_ENGINE_CPU_BF16_GEMM=vnni` makes any of those an error instead).
 
 On CPUs with AMX, oneDNN uses the tile unit and the AVX-512 kernel, bound by arithmetic from
-eight rows up, lost to it (1.2x its time at 8 rows, 3x at 32); so the kernel has an AMX path on
-the same packed layout, for weights whose K is a multiple of 32, tried at start-up beside the
-AVX-512 one and used where the build targets AMX and the OS grants the tile state (0.6x
-oneDNN's time at 8 rows; `SPMD_ENGINE_CPU_BF16_GEMM=avx512` keeps the AVX-512 path). Which path
+eight rows up, lost to it; so the kernel has an AMX path on the same packed layout, for
+weights whose K is a multiple of 32, tried at start-up beside the AVX-512 one and used where the
+build targets AMX and the OS grants the tile state (`SPMD_ENGINE_CPU_BF16_GEMM=avx512` keeps the
+AVX-512 path). Which path
 a weight takes depends on its K and the process, never on the batch.
 
 fp32 weights go to the same kernel's fp32 path (plain AVX-512 FMAs: any CPU with AVX-512 F, BW
 and VL, AVX512-BF16 or not; built for a CPU without it, the library has this path only) packed
-as [N / 16, K, 16, 1]: oneDNN's fp32 call streamed a decode step's small matrices at 60-65% of
-one core's read bandwidth; the kernel took 0.75x its time at 8 and 16 rows on one
-thread (docs/performance.md). `SPMD_ENGINE_CPU_FP32_GEMM` chooses as the bf16 variable does.
+as [N / 16, K, 16, 1]: oneDNN's fp32 call streamed a decode step's small matrices well below
+one core's read bandwidth, and the kernel takes less time (docs/performance.md). `SPMD_ENGINE_CPU_FP32_GEMM` chooses as the bf16 variable does.
 
 A packed weight is a plain tensor of shape [N / 16, K / 2, 16, 2] (bf16) or [N / 16, K, 16, 1]
 (fp32): the four dimensions tell `packed_weights.linear` which kernel it is for, and no code

@@ -246,7 +246,7 @@ class CausalLM(CausalLMWeights, nn.Module):
         if self.lm_head is None:
             raise RuntimeError("greedy_tokens runs on the last pipeline stage only")
         if type(self).compute_logits is not CausalLM.compute_logits:  # a registered subclass's own logits
-            from spmd_engine.sample.sampler import greedy_tokens
+            from spmd_engine.model.layers.greedy import greedy_tokens
             return greedy_tokens(self.compute_logits(hidden))
         return self.lm_head.greedy_tokens(hidden)
 
