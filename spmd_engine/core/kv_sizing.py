@@ -128,14 +128,13 @@ class KVPlan:
                 f"of max_model_len {max_model_len}")
 
 
-def plan_kv(config: EngineConfig, spec, itemsize: int, available_bytes: int, procs_on_host: int) -> KVPlan:
-    """From the model's shape and the layout: bytes per token on the fullest stage, and the
-    budget when it does not depend on a device (explicit, or the CPU default on this host)."""
-    from spmd_engine.model.partition import pp_layer_range
+def plan_kv(config: EngineConfig, spec, itemsize: int, available_bytes: int, procs_on_host: int,
+            layers: int) -> KVPlan:
+    """From the model's shape and the layout (`layers`: the decoder layers of the fullest PP
+    stage): bytes per token on that stage, and the budget when it does not depend on a device
+    (explicit, or the CPU default on this host)."""
     pc, cache = config.parallel_config, config.cache_config
-    tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
-    layers = max(b - a for a, b in (pp_layer_range(spec.num_layers, r, pp, config.model_config.pp_partition)
-                                    for r in range(pp)))
+    tp = pc.tensor_parallel_size
     kv_heads = 1 if tp > spec.num_kv_heads else spec.num_kv_heads // tp  # TP > KV heads replicates them
     per_token = kv_bytes_per_token(layers, kv_heads, spec.head_dim, itemsize)
     if cache.kv_cache_memory_bytes is not None:

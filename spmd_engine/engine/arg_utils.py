@@ -310,8 +310,12 @@ def check_kv_budget_up_front(config: EngineConfig, hf_config, spec) -> None:
 def front_end_kv_plan(config: EngineConfig, hf_config, spec) -> kv_sizing.KVPlan:
     from spmd_engine.model.loader import resolve_dtype
     itemsize = resolve_dtype(config.model_config.dtype, hf_config, config.device).itemsize
+    from spmd_engine.model.partition import pp_layer_range
     available, procs = kv_sizing.host_share(config.parallel_config)
-    return kv_sizing.plan_kv(config, spec, itemsize, available, procs)
+    pp = config.parallel_config.pipeline_parallel_size
+    layers = max(b - a for a, b in (pp_layer_range(spec.num_layers, r, pp, config.model_config.pp_partition)
+                                    for r in range(pp)))
+    return kv_sizing.plan_kv(config, spec, itemsize, available, procs, layers)
 
 
 def check_batch_invariant(spec, parallel: ParallelConfig, source: str) -> None:

@@ -89,3 +89,73 @@ def test_code_says_what_and_why_not_how_fast():
                  for path in sorted((REPO / "spmd_engine").rglob("*.py"))
                  for line, text in prose(path.read_text()) if FIGURE.search(text)]
     assert not offenders, "figures in docstrings or comments:\n" + "\n".join(offenders)
+
+
+# The package's layers, bottom up (DESIGN.md section 5): a module imports only from its own
+# layer or below. The root package (its lazy front door) is above them all.
+LAYERS = {"topology": 0, "config": 0, "envs": 0, "sampling_params": 0, "distributed": 1, "core": 2, "model": 3,
+          "sample": 4, "worker": 5, "executor": 6, "engine": 7, "run": 8, "run_batch": 8, "plan": 8}
+
+
+def import_graph(root) -> tuple[dict, dict]:
+    """(module -> modules it imports at its top level, module -> every module it imports, functions'
+    imports included), over the package's own modules."""
+    import ast
+    modules = {".".join(p.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in root.rglob("*.py")}
+    top, every = {}, {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        body = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        for kind, nodes in (("top", body), ("every", list(ast.walk(tree)))):
+            targets = set()
+            for node in nodes:
+                if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    targets |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+                elif isinstance(node, ast.Import):
+                    targets |= {a.name for a in node.names}
+            (top if kind == "top" else every)[name] = {t for t in targets if t in modules and t != name}
+    return top, every
+
+
+def cycles(graph: dict) -> list[list[str]]:
+    """The strongly connected components of more than one module."""
+    index, low, stack, found = {}, {}, [], []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+            if len(component) > 1:
+                found.append(sorted(component))
+    for v in list(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def upward(graph: dict) -> list[str]:
+    layer = lambda m: LAYERS.get(m.split(".")[1], 9) if "." in m else 9  # noqa: E731
+    return [f"{a} -> {b}" for a, targets in graph.items() for b in targets
+            if b != "spmd_engine" and layer(b) > layer(a)]
+
+
+def test_the_package_imports_form_no_cycle_and_never_run_up():
+    """Module-level imports form no cycle (a change to attention touches neither the compiler nor
+    the loader), and no import, a function's included, runs from a lower layer to a higher one."""
+    from launch import REPO
+
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]  # the checks see
+    assert upward({"spmd_engine.core.x": {"spmd_engine.model.y"}}) == ["spmd_engine.core.x -> spmd_engine.model.y"]
+    top, every = import_graph(REPO / "spmd_engine")
+    assert not cycles(top), cycles(top)
+    assert not upward(every), upward(every)

@@ -1,28 +1,19 @@
-"""All parallel layers in one import: `from spmd_engine.model.layers import ...`."""
+"""All parallel layers in one import: `from spmd_engine.model.layers import ...`, each imported
+when first asked for (a layer importing a sibling does not import every layer)."""
 
-from spmd_engine.model.layers.attention import Attention, AttentionMetadata
-from spmd_engine.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding, padded_vocab_size
-from spmd_engine.model.layers.linear import (
-    ColumnParallelLinear,
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-)
-from spmd_engine.model.layers.mlp import SwiGLUMLP
-from spmd_engine.model.layers.norm import RMSNorm
-from spmd_engine.model.layers.rotary import RotaryEmbedding
+import importlib
 
-__all__ = [
-    "Attention",
-    "AttentionMetadata",
-    "ColumnParallelLinear",
-    "MergedColumnParallelLinear",
-    "ParallelLMHead",
-    "QKVParallelLinear",
-    "RMSNorm",
-    "RotaryEmbedding",
-    "RowParallelLinear",
-    "SwiGLUMLP",
-    "VocabParallelEmbedding",
-    "padded_vocab_size",
-]
+_WHERE = {
+    "Attention": "attention", "AttentionMetadata": "attention",
+    "ParallelLMHead": "embedding", "VocabParallelEmbedding": "embedding", "padded_vocab_size": "embedding",
+    "ColumnParallelLinear": "linear", "MergedColumnParallelLinear": "linear", "QKVParallelLinear": "linear",
+    "RowParallelLinear": "linear", "SwiGLUMLP": "mlp", "RMSNorm": "norm", "RotaryEmbedding": "rotary",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name):
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"spmd_engine.model.layers.{_WHERE[name]}"), name)
+    raise AttributeError(f"module 'spmd_engine.model.layers' has no attribute {name!r}")
