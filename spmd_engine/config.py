@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from spmd_engine import topology
+
 BACKENDS = ("uni", "mp", "external_launcher")
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
@@ -71,6 +73,11 @@ def _check_positive(name: str, value: Any) -> None:
         raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
 
 
+# Each layout axis (topology's name) and the ParallelConfig field holding its size.
+SIZE_FIELDS = {"tp": "tensor_parallel_size", "pp": "pipeline_parallel_size", "pcp": "prefill_context_parallel_size",
+               "dcp": "decode_context_parallel_size", "dp": "data_parallel_size"}
+
+
 @dataclass
 class ParallelConfig:
     """How one model is cut up (TP, PP, PCP, DCP) and copied (DP).
@@ -118,21 +125,11 @@ class ParallelConfig:
             )
 
     def validate(self) -> None:
-        for name in (
-            "tensor_parallel_size",
-            "pipeline_parallel_size",
-            "prefill_context_parallel_size",
-            "decode_context_parallel_size",
-            "data_parallel_size",
-            "nnodes",
-        ):
-            _check_positive(name, getattr(self, name))
-        tp, dcp = self.tensor_parallel_size, self.decode_context_parallel_size
-        if tp % dcp != 0:
-            raise ConfigError(
-                f"decode_context_parallel_size ({dcp}) must divide "
-                f"tensor_parallel_size ({tp})"
-            )
+        """The sizes by topology's one rule (check_sizes, under these field names), then what only
+        a configuration can get wrong."""
+        topology.check_sizes({axis: getattr(self, name) for axis, name in SIZE_FIELDS.items()},
+                             SIZE_FIELDS, ConfigError)
+        _check_positive("nnodes", self.nnodes)
         if self.prefill_context_parallel_size > 1 and self.data_parallel_size > 1:
             raise ConfigError(
                 f"prefill_context_parallel_size ({self.prefill_context_parallel_size}) > 1 "
@@ -143,6 +140,11 @@ class ParallelConfig:
                 f"data_parallel_rank ({self.data_parallel_rank}) must be in "
                 f"[0, data_parallel_size={self.data_parallel_size})"
             )
+
+    @property
+    def layout(self):
+        """The rank grid of these sizes (topology.Layout), without external DP."""
+        return topology.Layout.of(self)
 
     @property
     def world_size_across_dp(self) -> int:

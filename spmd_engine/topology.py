@@ -20,6 +20,21 @@ class TopologyError(ValueError):
     """The launched world does not fit the requested sizes."""
 
 
+# Each axis's size as the errors name it; ParallelConfig passes its own field names.
+SIZE_NAMES = {"tp": "tp size", "pp": "pp size", "pcp": "pcp size", "dcp": "dcp size", "dp": "dp size",
+              "external_dp": "external_dp size"}
+
+
+def check_sizes(sizes: dict[str, object], names: dict[str, str], error: type[Exception] = TopologyError) -> None:
+    """The one rule for a layout's sizes, whoever holds them: each an integer >= 1, and DCP
+    dividing TP (DCP splits a TP group's KV cache). `names` says how the errors name each axis."""
+    for axis, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise error(f"{names[axis]} must be an integer >= 1, got {value!r}")
+    if sizes.get("tp", 1) % sizes.get("dcp", 1):
+        raise error(f"{names['dcp']} ({sizes['dcp']}) must divide {names['tp']} ({sizes['tp']})")
+
+
 @dataclass(frozen=True)
 class Layout:
     """Sizes of every axis of one launch; the shape of the rank grid."""
@@ -32,12 +47,7 @@ class Layout:
     external_dp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "pcp", "dcp", "dp", "external_dp"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise TopologyError(f"{name} size must be an integer >= 1, got {value!r}")
-        if self.tp % self.dcp:
-            raise TopologyError(f"dcp size ({self.dcp}) must divide tp size ({self.tp})")
+        check_sizes({axis: getattr(self, axis) for axis in SIZE_NAMES}, SIZE_NAMES)
 
     @classmethod
     def for_world(cls, launched_world: int, tp: int = 1, pp: int = 1, pcp: int = 1,

@@ -57,7 +57,7 @@ class MultiprocExecutor(Executor):
         dp_rank = pc.data_parallel_rank
         try:
             self.rpc_broadcast_mq = MessageQueue.create(self.world_size, label=f"rpc_dp{dp_rank}")
-            layout = topology.Layout.of(pc)
+            layout = pc.layout
             for local_rank in range(self.world_size):
                 rank = dp_rank * self.world_size + local_rank  # the global rank formula
                 coord = topology.rank_to_coord(layout, rank)

@@ -46,7 +46,7 @@ class Worker:
             if pc.distributed_executor_backend == "external_launcher":
                 index = self.local_rank
             else:
-                layout = topology.Layout.of(pc)
+                layout = pc.layout
                 index = topology.device_index_mp(layout, self.local_rank, self.dp_local_rank)
             self.device = torch.device(f"cuda:{index}")
             torch.cuda.set_device(self.device)

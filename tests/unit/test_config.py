@@ -75,3 +75,27 @@ def test_validation_names_value_and_rule(kwargs, message):
 
 def test_output_rank_property():
     assert ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2, data_parallel_size=2).output_rank == 2
+
+
+@pytest.mark.parametrize("tp, pp, dcp, dp", [(1, 1, 1, 1), (4, 2, 2, 2), (0, 1, 1, 1), (2, -1, 1, 1), (4, 1, 3, 1),
+                                             (2, 1, 1, 1.5), (True, 1, 1, 1)])
+def test_parallel_config_and_layout_judge_sizes_by_one_rule(tp, pp, dcp, dp):
+    """ParallelConfig owns its sizes through topology's check: the two accept and refuse alike,
+    each naming the axis its own way."""
+    from spmd_engine.topology import Layout, TopologyError
+
+    def verdict(make, error):
+        try:
+            make()
+            return "ok"
+        except error as exc:
+            return str(exc).split(" must ")[1].split()[0]  # "be" (an integer >= 1) or "divide"
+    config = verdict(lambda: ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                            decode_context_parallel_size=dcp, data_parallel_size=dp,
+                                            distributed_executor_backend="mp"), ConfigError)
+    layout = verdict(lambda: Layout(tp=tp, pp=pp, dcp=dcp, dp=dp), TopologyError)
+    assert config == layout
+    if config == "ok":
+        assert ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp, decode_context_parallel_size=dcp,
+                              data_parallel_size=dp, distributed_executor_backend="mp").layout == \
+            Layout(tp=tp, pp=pp, dcp=dcp, dp=dp)
