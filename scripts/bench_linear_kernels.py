@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from spmd_engine.model.layers.packed_weights import linear  # noqa: E402  the engine's own dispatch
+from spmd_engine.kernels.packed_weights import linear  # noqa: E402  the engine's own dispatch
 
 # The bench Llama's (scripts/bench.py LLAMA_SHAPE) matrices, and a tiny one for the fixed cost.
 SHAPES = [(64, 64), (768, 512), (512, 512), (3072, 512), (512, 1536), (32000, 512)]

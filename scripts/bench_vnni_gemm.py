@@ -1,4 +1,4 @@
-"""The engine's AVX512-BF16 decode GEMM (spmd_engine/model/layers/vnni_gemm.py) against oneDNN's
+"""The engine's AVX512-BF16 decode GEMM (spmd_engine/kernels/vnni_gemm.py) against oneDNN's
 packed bf16 call (what the engine used before, and uses where the kernel is unavailable), on the
 bench Llama's matrices: which is faster at each row count, and do they agree in bits?
 
@@ -26,10 +26,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import emit, loadavg  # noqa: E402  the figures' JSON form, as bench.py prints it
-
-from spmd_engine.model.layers import vnni_gemm  # noqa: E402
-from spmd_engine.model.layers.packed_weights import linear  # noqa: E402  the engine's own dispatch
+from benchmarks.harness import emit, loadavg  # noqa: E402  the figures' JSON form, as scripts/bench.py prints it
+from spmd_engine.kernels import vnni_gemm  # noqa: E402
+from spmd_engine.kernels.packed_weights import linear  # noqa: E402  the engine's own dispatch
 
 SHAPES = [(768, 512), (512, 512), (3072, 512), (512, 1536), (32000, 512)]  # qkv, o, gate_up, down, LM head
 LOWER_IS_BETTER = "value/baseline, lower is better"
@@ -83,7 +82,7 @@ def measure(threads: list[int], rows_list: list[int], reps: int, pool_mib: int, 
                 for path in paths:
                     emit(f"vnni_gemm_{path}_{out_features}x{in_features}_m{rows}_t{t}_us",
                          got[path] * 1e6, got["onednn"] * 1e6, got[path] / got["onednn"], "us", rows=rows, threads=t,
-                         value_is=f"spmd_engine/model/layers/kernels/vnni_gemm.cpp, {path} path",
+                         value_is=f"spmd_engine/kernels/vnni_gemm.cpp, {path} path",
                          baseline_is="packed_weights.linear, oneDNN packed (hint 8)",
                          value_gb_per_s=round(weight_bytes / got[path] / 1e9, 2),
                          baseline_gb_per_s=round(weight_bytes / got["onednn"] / 1e9, 2),

@@ -173,7 +173,7 @@ class ModelConfig:
     """Which checkpoint, in which dtype. `model=None` means the bundled model."""
 
     model: str | None = None
-    dtype: str | None = None  # None or "auto": loader.choose_dtype (config.json's on GPU; on CPU
+    dtype: str | None = None  # None or "auto": platform.choose_dtype (config.json's on GPU; on CPU
     # its bf16/fp16 where the CPU runs that natively, else float32)
     pp_partition: str | None = None  # e.g. "3,3,2"; else SPMD_ENGINE_PP_PARTITION or vLLM's split
     load_format: str = "auto"  # "dummy": random weights, the checkpoint's tensors are never read
@@ -310,7 +310,7 @@ CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PI
 
 @dataclass
 class CompilationConfig:
-    """vLLM's `compilation_config`, the part that means something here (model/compilation.py).
+    """vLLM's `compilation_config`, the part that means something here (compilation/compiled_layers.py).
 
     `level` (vLLM's name; its newer `mode` is the same number): 0 runs the model eager; 1, 2
     and 3 (vLLM's stock torch.compile, dynamo-once and its own backend) all mean the decoder

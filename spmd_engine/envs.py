@@ -72,7 +72,7 @@ def cpu_packed_weights(environ: Mapping[str, str] = os.environ) -> bool:
 
 def cpu_bf16_gemm(environ: Mapping[str, str] = os.environ) -> str:
     """Which kernel packed bf16 linear weights are for on CPU: "auto" (default: the AVX512-BF16
-    kernel of model/layers/vnni_gemm.py where it builds and checks out, with its AMX tiles where
+    kernel of kernels/vnni_gemm.py where it builds and checks out, with its AMX tiles where
     the CPU and the OS allow them, else oneDNN), "onednn", "vnni" (that kernel, AMX tiles where
     allowed, or an error saying why not), or "avx512" (that kernel without its AMX tiles)."""
     raw = environ.get(CPU_BF16_GEMM, "auto") or "auto"
@@ -83,7 +83,7 @@ def cpu_bf16_gemm(environ: Mapping[str, str] = os.environ) -> str:
 
 def cpu_fp32_gemm(environ: Mapping[str, str] = os.environ) -> str:
     """Which kernel packed fp32 linear weights are for on CPU: "auto" (default: the fp32 path of
-    model/layers/vnni_gemm.py's kernel where it builds and checks out, else oneDNN), "onednn", or
+    kernels/vnni_gemm.py's kernel where it builds and checks out, else oneDNN), "onednn", or
     "vnni" (that kernel, or an error saying why not)."""
     raw = environ.get(CPU_FP32_GEMM, "auto") or "auto"
     if raw not in ("auto", "onednn", "vnni"):
@@ -93,7 +93,7 @@ def cpu_fp32_gemm(environ: Mapping[str, str] = os.environ) -> str:
 
 def cpu_decode_attention(environ: Mapping[str, str] = os.environ) -> str:
     """How decode-shaped steps attend on CPU: "auto" (default: the kernel of
-    model/layers/decode_attention.py where it builds and checks out, else torch code), "torch"
+    kernels/decode_attention.py where it builds and checks out, else torch code), "torch"
     (torch code: SDPA eager, traced loops compiled), or "kernel" (an error where it cannot)."""
     raw = environ.get(CPU_DECODE_ATTENTION, "auto") or "auto"
     if raw not in ("auto", "torch", "kernel"):

@@ -48,7 +48,7 @@ def require_reference(module: str):
 @pytest.hookimpl(trylast=True)  # after pytest's tmpdir plugin has made its factory
 def pytest_configure(config):
     """Every compile cache of the run (inductor's, and the bf16 decode GEMM that
-    model/layers/vnni_gemm.py builds into it on AVX512-BF16 CPUs) in the run's shared folder,
+    kernels/vnni_gemm.py builds into it on AVX512-BF16 CPUs) in the run's shared folder,
     which pytest_sessionfinish removes (inductor still writes its precompiled headers to
     /tmp/torchinductor_<user>, whatever the variable says). Set
     before collection (test modules ask whether the kernel is available when imported), so

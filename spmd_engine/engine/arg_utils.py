@@ -153,7 +153,7 @@ class EngineArgs(_EngineArgFields):
             timeout_s=self.timeout_s if self.timeout_s is not None else envs.timeout_s(),
             dp_waves=needs_dp_waves(parallel, inputs.hf_config),
         )
-        from spmd_engine.model.loader import choose_dtype
+        from spmd_engine.platform import choose_dtype
         dtype, line = choose_dtype(model_config.dtype, inputs.hf_config, config.device)
         # INFO where the machine decided (a half-precision checkpoint under auto); otherwise the
         # choice is the checkpoint's or the user's own, and a bad-input error stays one line
@@ -308,7 +308,7 @@ def check_kv_budget_up_front(config: EngineConfig, hf_config, spec) -> None:
 
 
 def front_end_kv_plan(config: EngineConfig, hf_config, spec) -> kv_sizing.KVPlan:
-    from spmd_engine.model.loader import resolve_dtype
+    from spmd_engine.platform import resolve_dtype
     itemsize = resolve_dtype(config.model_config.dtype, hf_config, config.device).itemsize
     from spmd_engine.model.partition import pp_layer_range
     available, procs = kv_sizing.host_share(config.parallel_config)

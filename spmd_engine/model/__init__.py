@@ -2,7 +2,7 @@
 
 Every class takes its TP and PP groups explicitly; nothing here reads a
 process-global group. The names below are imported when first asked for, so
-importing one module of the package (a layer, the compiler) does not import the
+importing one module of the package (a layer, the loader) does not import the
 whole package with it: the package's files form no import cycle.
 """
 

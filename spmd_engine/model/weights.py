@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import torch
 from torch import nn
 
-from spmd_engine.model.layers.packed_weights import dense_shape, dense_weight, is_packed
+from spmd_engine.kernels.packed_weights import dense_shape, dense_weight, is_packed
 from spmd_engine.model.models.moe_block import hf_names, moe_tensor_shapes
 from spmd_engine.model.shard import Loaded
 from spmd_engine.model.spec import ModelSpec
@@ -133,7 +133,7 @@ class CausalLMWeights:
                 self._update_error = f"{type(exc).__name__}: {exc}"
             raise
         finally:
-            from spmd_engine.model.layers.packed_weights import repack
+            from spmd_engine.kernels.packed_weights import repack
             for module, tensor in dense.items():
                 repack(module, tensor)
         return loaded
@@ -217,7 +217,7 @@ class CausalLMWeights:
 
     def allocate_discarded_weights(self) -> None:
         """Storage again for discarded parameters, uninitialised (packed ones packed again)."""
-        from spmd_engine.model.layers.packed_weights import repack
+        from spmd_engine.kernels.packed_weights import repack
         for module, attr, shape, dtype, device, packed in getattr(self, "_discarded", None) or ():
             dense = torch.empty(shape, dtype=dtype, device=device)
             if packed:

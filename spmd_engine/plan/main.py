@@ -156,7 +156,7 @@ def memory_plan_from_args(args, setup, layout: Layout, gpu_memory: int | None) -
 def kv_plan_from_args(setup) -> dict:
     """The KV budget per rank for --model at this layout."""
     from spmd_engine.engine.arg_utils import front_end_kv_plan
-    from spmd_engine.model.loader import choose_dtype
+    from spmd_engine.platform import choose_dtype
     config, processor = setup.config, setup.inputs
     plan = front_end_kv_plan(config, processor.hf_config, setup.spec)
     dtype, dtype_line = choose_dtype(config.model_config.dtype, processor.hf_config, config.device)

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from spmd_engine.config import ConfigError, ParallelConfig
 from spmd_engine.core import kv_sizing
-from spmd_engine.model.layers.packed_weights import packing_applies
-from spmd_engine.model.loader import resolve_dtype
+from spmd_engine.kernels.packed_weights import packing_applies
 from spmd_engine.model.partition import check_layout, default_pp_partition
 from spmd_engine.plan.rank_weights import RankModels
+from spmd_engine.platform import resolve_dtype
 from spmd_engine.topology import Layout
 
 

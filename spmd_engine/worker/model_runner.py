@@ -62,7 +62,7 @@ class ModelRunner:
 
     # -- start-up ---------------------------------------------------------------
     def load_model(self) -> None:
-        from spmd_engine.model.layers.packed_weights import layout, pack_linear_weights, packing_applies
+        from spmd_engine.kernels.packed_weights import layout, pack_linear_weights, packing_applies
         from spmd_engine.model.loader import load_model
         mc = self.config.model_config
         self.model = load_model(mc.model_dir, self.tp_group, self.pp_group, dtype=mc.dtype,
@@ -314,11 +314,11 @@ class ModelRunner:
     @torch.inference_mode()
     def _compile(self) -> None:
         """Compile at start-up, once per process: forwards of dummy tokens build the graphs every
-        later step reuses (compilation.CompiledLayers.warm_up_steps): fresh prompts that write
+        later step reuses (CompiledLayers.warm_up_steps): fresh prompts that write
         nothing, and decodes that write into block 0, zeroed again afterwards (no request holds
         a block yet). The time goes to the log and get_stats."""
+        from spmd_engine.compilation.precompiled import cache_dir
         from spmd_engine.model.layers.attention import AttentionMetadata
-        from spmd_engine.model.precompiled import cache_dir
         compiled = self.model.compiled_layers
         t = time.perf_counter()
         bs = self.block_size

@@ -72,7 +72,7 @@ def test_the_figure_check_rejects_a_missing_or_broken_figure():
 def test_the_decode_gemm_kernel_builds_and_its_outputs_check_out():
     """scripts/bench_vnni_gemm.py finds the engine's AVX512-BF16 kernel (and its AMX path) and checks every output
     against an fp32 matmul before it times anything; one small run here, where it can run."""
-    from spmd_engine.model.layers import vnni_gemm
+    from spmd_engine.kernels import vnni_gemm
     if vnni_gemm.unavailable() is not None:
         pytest.skip(f"the kernel is unavailable here: {vnni_gemm.unavailable()}")
     proc = run_checked([sys.executable, REPO / "scripts" / "bench_vnni_gemm.py", "--rows", "1,3,8,11", "--threads", "1",

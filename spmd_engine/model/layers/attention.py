@@ -30,9 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spmd_engine.model import compilation
+from spmd_engine import forward_context
+from spmd_engine.forward_context import COMPILED
+from spmd_engine.kernels import decode_attention as decode_kernel
 from spmd_engine.model.layers import batch_invariant as bi
-from spmd_engine.model.layers import decode_attention as decode_kernel
 
 PAD_LIMIT = 1.25  # a group's padded queries may exceed its real ones by at most this factor
 
@@ -293,7 +294,7 @@ class Attention(nn.Module):
             if self.uses_decode_kernel:
                 return decode_kernel.decode(q, k, v, self.k_cache, self.v_cache, attn, self.scale)
             return decode_attention(q, k, v, self.k_cache, self.v_cache, attn, self.scale)
-        if attn is compilation.COMPILED:  # traced: the metadata comes through forward_context
+        if attn is COMPILED:  # traced: the metadata comes through forward_context
             return torch.ops.spmd_engine.attention(q, k, v, self.k_cache, self.v_cache, self.scale)
         return paged_attention(q, k, v, self.k_cache, self.v_cache, attn, self.scale)
 
@@ -382,3 +383,24 @@ def _padded(x: torch.Tensor, g: RowGroup) -> torch.Tensor:
     padded = x.new_zeros(g.num_rows * g.width, *x.shape[1:])
     padded[g.pad_index] = x
     return padded.view(g.num_rows, g.width, *x.shape[1:]).transpose(1, 2)
+
+
+# The paged attention as one op a compiled graph calls without tracing it (compilation/): its
+# metadata is read from forward_context, never passed. The cache is written in place: it is no
+# tensor the graph reads again, so the schema says nothing of it (vLLM's attention op hides its
+# cache behind a layer name alike).
+_lib = torch.library.Library("spmd_engine", "FRAGMENT")  # the op lives as long as the process
+_lib.define("attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, float scale) -> Tensor")
+
+
+def _attention_op(q, k, v, k_cache, v_cache, scale):
+    attn = forward_context.attn_metadata()
+    return paged_attention(q, k, v, k_cache, v_cache, attn, scale).contiguous()
+
+
+_lib.impl("attention", _attention_op, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("spmd_engine::attention")
+def _attention_fake(q, k, v, k_cache, v_cache, scale):
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])

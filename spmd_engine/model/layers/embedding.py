@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from spmd_engine.kernels import vnni_gemm
+from spmd_engine.kernels.packed_weights import layout, linear
 from spmd_engine.model.layers import batch_invariant as bi
-from spmd_engine.model.layers import vnni_gemm
-from spmd_engine.model.layers.packed_weights import layout, linear
 from spmd_engine.model.shard import Loaded, check_shape, copy_into, read_range
 
 VOCAB_PADDING = 64

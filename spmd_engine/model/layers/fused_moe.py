@@ -46,8 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from spmd_engine.kernels.packed_weights import linear
 from spmd_engine.model.layers import batch_invariant as bi
-from spmd_engine.model.layers.packed_weights import linear
 from spmd_engine.model.shard import Loaded, check_shape, copy_into, divide, read_range
 
 # shard_id parts: HF's gate (w1), up (w3) and down (w2) projections of one expert

@@ -13,8 +13,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from spmd_engine.kernels.packed_weights import linear
 from spmd_engine.model.layers import batch_invariant as bi
-from spmd_engine.model.layers.packed_weights import linear
 from spmd_engine.model.shard import (
     Loaded,
     check_shape,
@@ -157,7 +157,7 @@ class RowParallelLinear(nn.Module):
 
     packable_weight = True
     batch_invariant = False  # a fixed chunked reduction tree instead of the all-reduce
-    compile_group = -1  # compilation.register_group's number for `group`, set when layers are compiled
+    compile_group = -1  # compiled_layers.register_group's number for `group`, set when layers are compiled
 
     def __init__(self, input_size: int, output_size: int, group, bias: bool = False,
                  dtype: torch.dtype | None = None):

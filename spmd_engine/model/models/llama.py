@@ -19,8 +19,8 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from spmd_engine.compilation.compiled_layers import CompiledLayers
 from spmd_engine.config import ConfigError
-from spmd_engine.model import compilation
 from spmd_engine.model.layers.attention import Attention, AttentionMetadata
 from spmd_engine.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from spmd_engine.model.layers.linear import QKVParallelLinear, RowParallelLinear
@@ -250,13 +250,13 @@ class CausalLM(CausalLMWeights, nn.Module):
             return greedy_tokens(self.compute_logits(hidden))
         return self.lm_head.greedy_tokens(hidden)
 
-    # ---- compiled forward (compilation.py) ----
-    compiled_layers: "compilation.CompiledLayers | None" = None
+    # ---- compiled forward (compilation/compiled_layers.py) ----
+    compiled_layers: "CompiledLayers | None" = None
 
     def compile_layers(self, **options) -> None:
         """From now on packed steps of at least `min_tokens` tokens run the decoder layers
-        through torch.compile (compilation.CompiledLayers' options)."""
-        self.compiled_layers = compilation.CompiledLayers(self, **options)
+        through torch.compile (CompiledLayers' options)."""
+        self.compiled_layers = CompiledLayers(self, **options)
         self.compiled_layers.mark_caches_dynamic(self._attention_layers())
 
     # ---- routing replay ----

@@ -5,7 +5,7 @@ the compiled forward explicitly, on a tiny model, most with `min_tokens=2` (one 
 to build than the default, 1). Decode-shaped steps (one new token per request, all cached)
 run a graph of their own, with attention traced (attention.decode_attention). One
 inductor cache for the whole run (tests/helpers/inductor_cache.py): the first engine to need a
-graph builds its AOTInductor package there (model/precompiled.py), every later one loads it. References: the same
+graph builds its AOTInductor package there (compilation/precompiled.py), every later one loads it. References: the same
 engine eager, token for token; dynamo's counters for "never traced".
 """
 
@@ -294,14 +294,14 @@ def test_weights_swapped_under_the_graph_are_read(tiny, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_bf16_weights_packed_for_the_avx512_kernel_run_in_the_graph(tmp_path, monkeypatch):
-    """A bf16 model's weights in the hand-written kernel's layout (4-D, model/layers/vnni_gemm.py)
+    """A bf16 model's weights in the hand-written kernel's layout (4-D, kernels/vnni_gemm.py)
     pass through the export and the saved graph to the kernel, in packages of their own, and
     decode the tokens the oneDNN-packed graph decodes (bitwise equal matmuls at these sizes:
     tests/unit/model/test_vnni_gemm.py). Greedy steps there take their tokens from the LM head's
     fused argmax; a step with a logprobs request takes the logits and the sampler, with the same
     tokens. Skipped where the kernel is unavailable."""
-    from spmd_engine.model.layers import vnni_gemm
-    from spmd_engine.model.layers.packed_weights import layout
+    from spmd_engine.kernels import vnni_gemm
+    from spmd_engine.kernels.packed_weights import layout
     if vnni_gemm.unavailable() is not None:
         pytest.skip(f"the kernel is unavailable here: {vnni_gemm.unavailable()}")
     bf16 = make_tiny_checkpoint(tmp_path / "bf16", vocab_size=320, dtype="bfloat16")  # 320: the head fits too

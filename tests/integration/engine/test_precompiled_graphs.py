@@ -1,5 +1,5 @@
 """Compiled chunks saved to disk as AOTInductor packages and loaded by the next process
-(model/precompiled.py, issue 23).
+(compilation/precompiled.py, issue 23).
 
 A warm start loads the package instead of compiling; that is only sound if the loaded graph
 is the one these inputs need, so each test here ends with the tokens of an eager engine. The
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from spmd_engine import LLM, SamplingParams
-from spmd_engine.model import precompiled
+from spmd_engine.compilation import precompiled
 from tests.helpers.engine_helpers import make_tiny_checkpoint
 from tests.helpers.inductor_cache import shared_cache_dir
 

@@ -311,7 +311,7 @@ def test_update_weights_reaches_only_the_expert_holders(checkpoints):
     tensors and skips the others'; with packing on, the packed experts follow the update."""
     from safetensors.torch import load_file
 
-    from spmd_engine.model.layers.packed_weights import pack_linear_weights
+    from spmd_engine.kernels.packed_weights import pack_linear_weights
     path = checkpoints["qwen3moe-normtopk-step2-headdim32"]  # sparse layers 1 and 3, 8 experts
     state = load_file(str(path / "model.safetensors"))
     name = "model.layers.1.mlp.experts.5.down_proj.weight"

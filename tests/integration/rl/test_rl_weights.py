@@ -17,7 +17,7 @@ from engine_helpers import make_tiny_checkpoint, reference_greedy
 from safetensors.torch import load_file
 
 from spmd_engine import LLM, SamplingParams
-from spmd_engine.model.layers.packed_weights import is_packed
+from spmd_engine.kernels.packed_weights import is_packed
 
 # The first prompt spans two full 16-token blocks: a second generate hits the prefix cache.
 PROMPTS = [list(range(1, 40)), [4, 5, 6, 7, 8], [9, 10]]
@@ -258,8 +258,8 @@ def test_uni_dtensor_weights_are_gathered(ckpts):
 def test_every_checkpoint_tensor_is_known_and_an_update_equals_a_fresh_load(tmp_path, config):
     """hf_tensor_shapes names every tensor of each architecture with its shape, and after
     update_weights(new) every parameter equals the one a fresh load of `new` gives."""
+    from spmd_engine.kernels.packed_weights import dense_weight, pack_linear_weights
     from spmd_engine.model import load_model
-    from spmd_engine.model.layers.packed_weights import dense_weight, pack_linear_weights
     from spmd_engine.model.solo import SoloGroup
     from spmd_engine.model.weights import hf_tensor_shapes
     old = make_tiny_checkpoint(tmp_path / "old", seed=0, **config)

@@ -41,7 +41,7 @@ def test_ours_and_vllms_ignored_keys():
     (22, 8, [8, 7, 7]), (80, 8, [8] * 10), (1, 3, [1]), (0, 8, [])])
 def test_layers_are_cut_into_chunks_of_at_most_two_lengths(layers, per_graph, lengths):
     """Each chunk length is one graph: any depth compiles one or two, never one per remainder."""
-    from spmd_engine.model.compilation import chunks
+    from spmd_engine.compilation.compiled_layers import chunks
     cut = chunks(list(range(layers)), per_graph)
     assert [len(c) for c in cut] == lengths
     assert [x for c in cut for x in c] == list(range(layers))  # every layer once, in order

@@ -13,8 +13,8 @@ import random
 import pytest
 import torch
 
+from spmd_engine.kernels.packed_weights import packing_applies
 from spmd_engine.model.layers import batch_invariant as bi
-from spmd_engine.model.layers.packed_weights import packing_applies
 
 
 @pytest.fixture

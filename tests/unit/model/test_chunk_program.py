@@ -1,4 +1,4 @@
-"""A chunk of layers as the function AOTInductor builds (spmd_engine/model/chunk_program.py).
+"""A chunk of layers as the function AOTInductor builds (spmd_engine/compilation/chunk_program.py).
 
 The package reads its weights from the list `ChunkProgram.weights()` gives at every call, so
 that list must be the model's live Parameters for as long as the model lives, also after the
@@ -16,10 +16,12 @@ from fake_groups import SoloGroup
 from model_helpers import make_random_checkpoint
 from torch import nn
 
-from spmd_engine.model import compilation, load_model
-from spmd_engine.model.chunk_program import ChunkProgram
+from spmd_engine.compilation import compiled_layers
+from spmd_engine.compilation.chunk_program import ChunkProgram
+from spmd_engine.forward_context import set_forward_context
+from spmd_engine.kernels.packed_weights import dense_weight, is_packed, pack_linear_weights, repack
+from spmd_engine.model import load_model
 from spmd_engine.model.layers.attention import AttentionMetadata
-from spmd_engine.model.layers.packed_weights import dense_weight, is_packed, pack_linear_weights, repack
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +42,8 @@ def _export(program, model):
     attn = AttentionMetadata.build([0], [3], [[0]], 16, "cpu")
     hidden = torch.randn(3, model.spec.hidden_size)
     cos, sin = model.model.rotary_emb.cos_sin(attn.positions, hidden.dtype)
-    example, dims, _ = compilation._export_example(program, cos, sin, hidden, torch.randn_like(hidden), None, False)
-    with compilation.forward_context(attn):
+    example, dims, _ = compiled_layers._export_example(program, cos, sin, hidden, torch.randn_like(hidden), None, False)
+    with set_forward_context(attn):
         torch.export.export(program, example, dynamic_shapes=dims, strict=False)
 
 

@@ -1,4 +1,4 @@
-"""The decode-step attention kernel (model/layers/decode_attention.py, kernels/decode_attention.cpp).
+"""The decode-step attention kernel (kernels/decode_attention.py, kernels/decode_attention.cpp).
 
 It writes each token's K/V to its slot and attends to the token's first seq_len keys; checked
 against torch's SDPA on the same gathered keys (decode_attention.reference) and against
@@ -18,7 +18,7 @@ import torch
 
 from spmd_engine import envs
 from spmd_engine.config import ConfigError
-from spmd_engine.model.layers import decode_attention as kernel
+from spmd_engine.kernels import decode_attention as kernel
 from spmd_engine.model.layers.attention import AttentionMetadata, paged_attention
 
 REASON = kernel.unavailable()

@@ -1,4 +1,4 @@
-"""`dtype auto` (loader.choose_dtype): the checkpoint's own dtype on accelerators; on CPU its
+"""`dtype auto` (platform.choose_dtype): the checkpoint's own dtype on accelerators; on CPU its
 bf16 (fp16) only where the CPU runs that natively, else float32; an explicit dtype always wins.
 SPMD_ENGINE_CPU_BF16 / _FP16 pretend the capability present (1) or absent (0), so both
 branches run on any machine; the plan resolves the same dtype as the engine."""
@@ -18,9 +18,9 @@ from engine_helpers import make_tiny_checkpoint
 from spmd_engine.config import ConfigError
 from spmd_engine.engine.arg_utils import EngineArgs
 from spmd_engine.model import load_model
-from spmd_engine.model.loader import choose_dtype, cpu_flags, cpu_native_half, resolve_dtype
 from spmd_engine.model.solo import SoloGroup
 from spmd_engine.plan.main import main as plan_main
+from spmd_engine.platform import choose_dtype, cpu_flags, cpu_native_half, resolve_dtype
 
 BF16, FP16, FP32 = {"torch_dtype": "bfloat16"}, {"dtype": "float16"}, {"torch_dtype": "float32"}
 

@@ -1,4 +1,4 @@
-"""Pre-packed CPU weights (spmd_engine/model/layers/packed_weights.py).
+"""Pre-packed CPU weights (spmd_engine/kernels/packed_weights.py).
 
 Packing changes the matmul kernel, never the model: bf16 logits stay bitwise
 identical to `F.linear`'s, fp32 ones equal up to summation order, the dense
@@ -15,9 +15,8 @@ from fake_groups import SoloGroup
 from model_helpers import LLAMA, QWEN_TIED, make_random_checkpoint, run_schedule
 
 from spmd_engine import LLM, SamplingParams
-from spmd_engine.model import load_model
-from spmd_engine.model.layers import vnni_gemm
-from spmd_engine.model.layers.packed_weights import (
+from spmd_engine.kernels import vnni_gemm
+from spmd_engine.kernels.packed_weights import (
     ENV_FLAG,
     dense_weight,
     is_packed,
@@ -25,6 +24,7 @@ from spmd_engine.model.layers.packed_weights import (
     pack_linear_weights,
     packing_applies,
 )
+from spmd_engine.model import load_model
 
 BF16_KERNELS = packing_applies(torch.bfloat16, torch.device("cpu"))
 needs_bf16 = pytest.mark.skipif(not BF16_KERNELS, reason="this CPU's oneDNN has no bf16 kernels")
@@ -123,7 +123,7 @@ def test_worker_packs_by_default_and_generates_the_same_text(dtype, monkeypatch)
 
 def test_a_failing_or_wrong_packed_matmul_keeps_plain_weights(monkeypatch):
     """The oneDNN ops are private: where they raise or disagree with F.linear, no packing."""
-    from spmd_engine.model.layers import packed_weights
+    from spmd_engine.kernels import packed_weights
 
     def broken(weight, batch_size=None):
         raise RuntimeError("no oneDNN kernel for this CPU")

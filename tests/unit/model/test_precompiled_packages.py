@@ -1,4 +1,4 @@
-"""What a saved package checks before every call, and where it is kept (model/precompiled.py).
+"""What a saved package checks before every call, and where it is kept (compilation/precompiled.py).
 
 A package is native code built for fixed dtypes, ranks, sizes and contiguity; called with
 anything else it reads memory wrongly rather than failing. So `Package.accepts` is the only
@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 
-from spmd_engine.model import precompiled
+from spmd_engine.compilation import precompiled
 
 
 class _Loader:  # what Package reads of torch's loader: the metadata written at build time
@@ -112,7 +112,7 @@ def test_the_cache_directory_is_inductors_own_without_importing_it(tmp_path, mon
 _HOLDER = r"""
 import sys, time
 from pathlib import Path
-from spmd_engine.model import precompiled
+from spmd_engine.compilation import precompiled
 with precompiled.build_lock(Path(sys.argv[1])):
     print("held", flush=True)
     time.sleep(float(sys.argv[2]))

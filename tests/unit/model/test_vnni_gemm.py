@@ -1,4 +1,4 @@
-"""The AVX512-BF16 decode GEMM (spmd_engine/model/layers/vnni_gemm.py, kernels/vnni_gemm.cpp),
+"""The AVX512-BF16 decode GEMM (spmd_engine/kernels/vnni_gemm.py, kernels/vnni_gemm.cpp),
 and its fp32 path (the same layout with one k per line): summed in fp32 in k order per row.
 
 The kernel computes what an fp32 matmul of the same bf16 values computes, rounded to bf16, on
@@ -28,8 +28,8 @@ from model_helpers import LLAMA, QWEN_TIED, make_random_checkpoint, run_schedule
 
 from spmd_engine import envs
 from spmd_engine.config import ConfigError
+from spmd_engine.kernels import packed_weights, vnni_gemm
 from spmd_engine.model import load_model
-from spmd_engine.model.layers import packed_weights, vnni_gemm
 
 REASON = vnni_gemm.unavailable()
 needs_kernel = pytest.mark.skipif(REASON is not None, reason=f"the kernel is unavailable here: {REASON}")
@@ -220,8 +220,8 @@ def test_the_choice_of_kernel_and_its_errors(monkeypatch, fresh_availability):
     monkeypatch.setenv(envs.CPU_BF16_GEMM, "mkl")
     with pytest.raises(ConfigError, match="SPMD_ENGINE_CPU_BF16_GEMM='mkl': expected 'auto', 'onednn', 'vnni' or 'avx512'"):
         vnni_gemm.wanted()
-    from spmd_engine.model import loader
-    monkeypatch.setattr(loader, "cpu_flags", lambda: frozenset({"avx2", "avx512_f"}))
+    from spmd_engine import platform
+    monkeypatch.setattr(platform, "cpu_flags", lambda: frozenset({"avx2", "avx512_f"}))
     monkeypatch.setenv(envs.CPU_BF16_GEMM, "auto")
     assert not vnni_gemm.wanted()  # auto: oneDNN, quietly
     monkeypatch.setenv(envs.CPU_BF16_GEMM, "vnni")
@@ -233,8 +233,8 @@ def test_a_kernel_that_fails_to_build_or_disagrees_leaves_weights_to_onednn(tmp_
                                                                              fresh_availability):
     if shutil.which("g++") is None:
         pytest.skip("no g++ to fail a build with")
-    from spmd_engine.model import loader
-    monkeypatch.setattr(loader, "cpu_flags", lambda: frozenset(
+    from spmd_engine import platform
+    monkeypatch.setattr(platform, "cpu_flags", lambda: frozenset(
         f for names in vnni_gemm.NEEDED_FLAGS + vnni_gemm.BF16_FLAGS for f in names))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
     broken = tmp_path / "broken.cpp"
@@ -277,8 +277,8 @@ def test_the_fp32_choice_and_its_errors(monkeypatch, fresh_availability):
     monkeypatch.setenv(envs.CPU_FP32_GEMM, "avx512")
     with pytest.raises(ConfigError, match="SPMD_ENGINE_CPU_FP32_GEMM='avx512': expected 'auto', 'onednn' or 'vnni'"):
         vnni_gemm.wanted(torch.float32)
-    from spmd_engine.model import loader
-    monkeypatch.setattr(loader, "cpu_flags", lambda: frozenset({"avx2"}))
+    from spmd_engine import platform
+    monkeypatch.setattr(platform, "cpu_flags", lambda: frozenset({"avx2"}))
     monkeypatch.setenv(envs.CPU_FP32_GEMM, "auto")
     assert not vnni_gemm.wanted(torch.float32)
     monkeypatch.setenv(envs.CPU_FP32_GEMM, "vnni")
@@ -288,7 +288,7 @@ def test_the_fp32_choice_and_its_errors(monkeypatch, fresh_availability):
 
 def test_the_kernel_is_used_wherever_the_cpu_has_the_instructions_and_g_plus_plus_is_there():
     """Else a kernel broken so that its trial fails would only skip the tests above."""
-    from spmd_engine.model.loader import cpu_flags
+    from spmd_engine.platform import cpu_flags
     flags = cpu_flags()
     if not all(flags.intersection(names) for names in vnni_gemm.NEEDED_FLAGS) or shutil.which("g++") is None:
         pytest.skip("no AVX-512 or no g++ here: the kernel is not expected")
@@ -299,10 +299,10 @@ def test_the_kernel_is_used_wherever_the_cpu_has_the_instructions_and_g_plus_plu
 
 _NO_BF16 = """
 import json, sys, torch
-from spmd_engine.model import loader
-from spmd_engine.model.layers import native, vnni_gemm, packed_weights
-flags = loader.cpu_flags() - {"avx512_bf16", "amx_bf16", "amx_tile"}
-loader.cpu_flags = lambda: flags
+from spmd_engine import platform
+from spmd_engine.kernels import native, vnni_gemm, packed_weights
+flags = platform.cpu_flags() - {"avx512_bf16", "amx_bf16", "amx_tile"}
+platform.cpu_flags = lambda: flags
 w, x = torch.randn(48, 40, dtype=torch.float64), torch.randn(7, 40, dtype=torch.float64)
 out = {"bf16": vnni_gemm.unavailable(torch.bfloat16), "fp32": vnni_gemm.unavailable(torch.float32),
        "options": native._not_on_this_cpu()}
@@ -330,7 +330,7 @@ def test_a_cpu_with_avx512_but_not_bf16_gets_the_fp32_path(tmp_path):
     options, in a process of its own, since one process holds one build of the library): fp32
     weights take the kernel and match an fp64 matmul, bf16 ones stay with oneDNN, and a bf16
     call into that build is a clear error."""
-    from spmd_engine.model.loader import cpu_flags
+    from spmd_engine.platform import cpu_flags
     if not all(cpu_flags().intersection(names) for names in vnni_gemm.NEEDED_FLAGS) or shutil.which("g++") is None:
         pytest.skip("no AVX-512 or no g++ here")
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(REPO))

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spmd_engine import envs
-from spmd_engine.model.layers import vnni_gemm
+from spmd_engine.kernels import vnni_gemm
 
 # Set to 0 to keep plain row-major weights (for comparison, or to rule packing out).
 ENV_FLAG = envs.CPU_PACKED_WEIGHTS

@@ -20,9 +20,9 @@ import torch.nn.functional as F
 
 from spmd_engine import envs
 from spmd_engine.config import ConfigError
-from spmd_engine.model.layers import native
+from spmd_engine.kernels import native
 
-SOURCE = Path(__file__).resolve().parent / "kernels" / "decode_attention.cpp"
+SOURCE = Path(__file__).resolve().with_name("decode_attention.cpp")
 
 
 def usable(device) -> bool:

@@ -54,14 +54,16 @@ routing), routing replay. CUDA graphs of decode steps are the worker's (worker/d
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import types
 import weakref
 
 import torch
 
-from spmd_engine.model import precompiled
+from spmd_engine.compilation import precompiled
+from spmd_engine.compilation.chunk_program import ChunkProgram
+from spmd_engine.forward_context import COMPILED, set_forward_context
+from spmd_engine.kernels.packed_weights import eager_linear
 
 logger = logging.getLogger("spmd_engine")
 
@@ -70,49 +72,16 @@ DEFAULT_MIN_TOKENS = 1
 # Decoder layers per compiled graph by default (measured, docs/performance.md).
 DEFAULT_LAYERS_PER_GRAPH = 8
 
-_forward_attn = None  # this step's AttentionMetadata while a compiled forward runs
-
-
-class _Compiled:
-    """What a compiled layer gets instead of AttentionMetadata: read it from forward_context."""
-
-    def __repr__(self) -> str:
-        return "COMPILED"
-
-
-COMPILED = _Compiled()
-
-
-@contextlib.contextmanager
-def forward_context(attn):
-    """Make `attn` the metadata the attention op reads, for one forward."""
-    global _forward_attn
-    previous, _forward_attn = _forward_attn, attn
-    try:
-        yield
-    finally:
-        _forward_attn = previous
-
-
-_lib = torch.library.Library("spmd_engine", "DEF")  # the ops live as long as the process
-_lib.define("attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, float scale) -> Tensor")
+# The ops a compiled layer calls that the compiler keeps opaque; `spmd_engine::attention` is the
+# attention layer's own (model/layers/attention.py), its metadata read from forward_context.
+_lib = torch.library.Library("spmd_engine", "FRAGMENT")  # the ops live as long as the process
 _lib.define("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _lib.define("all_reduce(Tensor x, int group) -> Tensor")
 
 
-def _attention(q, k, v, k_cache, v_cache, scale):
-    from spmd_engine.model.layers.attention import paged_attention
-    if _forward_attn is None:
-        raise RuntimeError("spmd_engine::attention ran outside compilation.forward_context")
-    # The cache is written in place: it is no tensor the graph reads again, so the schema says
-    # nothing of it (vLLM's attention op hides its cache behind a layer name alike).
-    return paged_attention(q, k, v, k_cache, v_cache, _forward_attn, scale).contiguous()
-
-
 def _linear(x, weight, bias):
     # Not packed_weights.linear, whose is_compiling check costs a few us of the op's 4 calls
-    # a layer. Imported here: the layers import this module.
-    from spmd_engine.model.layers.packed_weights import eager_linear
+    # a layer.
     return eager_linear(x, weight, bias)
 
 
@@ -134,13 +103,8 @@ def _all_reduce(x, group):
     return _groups[group]().all_reduce(x.clone())
 
 
-for _name, _fn in (("attention", _attention), ("linear", _linear), ("all_reduce", _all_reduce)):
+for _name, _fn in (("linear", _linear), ("all_reduce", _all_reduce)):
     _lib.impl(_name, _fn, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("spmd_engine::attention")
-def _attention_fake(q, k, v, k_cache, v_cache, scale):
-    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
 @torch.library.register_fake("spmd_engine::linear")
@@ -196,9 +160,8 @@ class CompiledLayers:
 
     def __init__(self, model, backend: str = "inductor", mode: str | None = None,
                  min_tokens: int = DEFAULT_MIN_TOKENS, layers_per_graph: int = DEFAULT_LAYERS_PER_GRAPH):
-        from spmd_engine.model.layers.linear import RowParallelLinear
-        for module in model.modules():
-            if isinstance(module, RowParallelLinear) and module.tp_size > 1:
+        for module in model.modules():  # the row-parallel linears: their all-reduce is an op of ours
+            if hasattr(module, "compile_group") and module.tp_size > 1:
                 module.compile_group = register_group(module.group)
         self.model_ref = weakref.ref(model)
         self.backend, self.mode = backend, mode
@@ -216,7 +179,6 @@ class CompiledLayers:
         self.loaded: list[str] = []  # files the built graphs came from (the rest were compiled now)
         self.refused = 0  # calls whose inputs the graph's checks refused (run eager)
         if self.ahead:
-            from spmd_engine.model.chunk_program import ChunkProgram
             self.programs = [ChunkProgram(chunk, self.norm) for chunk in self.chunks]
             return
         self.code = _chunk_step.__code__.replace()  # this model's own dynamo cache
@@ -267,7 +229,7 @@ class CompiledLayers:
         cos, sin = rope
         decode = (attn if isinstance(attn, tuple) else attn.decode_step()) if self.decode_graphs else None
         decode = None if decode is None else tuple(decode)
-        with forward_context(attn):
+        with set_forward_context(attn):
             if not self.ahead:
                 for t in (cos, sin, hidden, residual, *(decode or ())):
                     torch._dynamo.maybe_mark_dynamic(t, 0)

@@ -1,4 +1,4 @@
-"""Building the hand-written CPU kernels (kernels/*.cpp) for this machine.
+"""Building the hand-written CPU kernels (*.cpp beside it) for this machine.
 
 Each source is compiled with g++ for this CPU (`-march=native`) the first time a process needs
 it and kept in the compile cache folder, named by a hash of everything that decides the binary
@@ -8,17 +8,25 @@ one job build it once and later processes only load it (loading is cheap, buildi
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import getpass
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
+import time
 from pathlib import Path
 from typing import Callable
 
 import torch
+
+from spmd_engine import platform
 
 logger = logging.getLogger("spmd_engine")
 
@@ -49,10 +57,8 @@ def load(source: Path, fakes: dict[str, Callable]) -> None:
 def built(source: Path) -> Path:
     """The shared library for `source`: built unless already in the cache folder (another
     process of the job may be building it: wait for its lock)."""
-    from spmd_engine.model.loader import cpu_flags
-    from spmd_engine.model.precompiled import build_lock, cache_dir
     compiler = subprocess.run(["g++", "--version"], capture_output=True, text=True, check=True).stdout
-    facts = (source.read_bytes(), torch.__version__, sys.version, compiler, sorted(cpu_flags()),
+    facts = (source.read_bytes(), torch.__version__, sys.version, compiler, sorted(platform.cpu_flags()),
              torch._C._GLIBCXX_USE_CXX11_ABI)
     path = cache_dir() / FOLDER / f"{source.stem}_{hashlib.sha256(repr(facts).encode()).hexdigest()[:24]}.so"
     if path.exists():
@@ -74,8 +80,7 @@ def _not_on_this_cpu() -> list[str]:
     no flag for: the build then has what the engine will expect (and a test can build the
     library of a CPU without them). Usually none: -march=native leaves out what the CPU lacks,
     and a g++ too old to know a set neither defines its macro nor takes its option."""
-    from spmd_engine.model.loader import cpu_flags
-    flags = cpu_flags()
+    flags = platform.cpu_flags()
     wanted = [(macro, option) for flag, macro, option in _OPTIONAL if flag not in flags]
     if not wanted:
         return []
@@ -101,3 +106,43 @@ def _compile(source: Path, path: Path) -> None:
         os.replace(partial, path)  # whole or not at all: a reader never loads half a library
     finally:
         partial.unlink(missing_ok=True)
+
+
+def cache_dir() -> Path:
+    """Inductor's cache directory, found as inductor finds it (TORCHINDUCTOR_CACHE_DIR, else
+    `torchinductor_<user>` in the temporary directory) without importing inductor, which
+    imports dynamo (tests/unit/model/test_precompiled_packages.py holds the two equal)."""
+    path = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if path is None:
+        try:
+            user = getpass.getuser()
+        except (KeyError, ModuleNotFoundError, OSError):
+            user = f"uid_{os.getuid()}" if hasattr(os, "getuid") else "unknown_user"
+        path = os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+    return Path(os.path.abspath(path))
+
+
+@contextlib.contextmanager
+def build_lock(path: Path):
+    """Hold the lock on building `path`; yields whether another process held it first (then
+    it has probably saved what it built: load before building). An flock, so a builder that dies
+    releases it; without a writable cache folder there is nothing to share and no lock."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        yield False
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            waited = False
+        except BlockingIOError:
+            start = time.monotonic()
+            logger.info("another process is building %s; waiting for it", path.name)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            waited = True
+            logger.info("waited %.1f s for %s to be built", time.monotonic() - start, path.name)
+        yield waited
+    finally:
+        os.close(fd)  # releases the lock

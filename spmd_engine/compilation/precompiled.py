@@ -17,8 +17,8 @@ of the same shape in their place. The KV caches are inputs too, written in place
 
 A package carries no guards on the code it came from, so a file's name is a digest of everything
 that decides the graph: torch's and Python's versions, the CPU's instruction set and the thread
-count (baked into the kernels' OpenMP loops), the source of spmd_engine/model, the model's shape
-facts, dtype, device, TP size and group numbers, which weights are packed, whether the stage
+count (baked into the kernels' OpenMP loops), the source the graph is traced from (the model,
+the compiler, the kernels: GRAPH_SOURCES), the model's shape facts, dtype, device, TP size and group numbers, which weights are packed, whether the stage
 ends in the final norm (the last pipeline stage's graphs return it too), the chunk's length,
 the graph's kind (one token or more, decode or general), backend and mode. Any change is another
 file. What the package needs of its inputs (dtype, rank, fixed sizes, contiguity, the token
@@ -37,22 +37,21 @@ directory can run code in the engine, as with inductor's own cached kernels ther
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import functools
-import getpass
 import hashlib
 import json
 import logging
 import os
 import platform
-import re
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+
+from spmd_engine.kernels import decode_attention
+from spmd_engine.kernels.native import build_lock, cache_dir  # noqa: F401  (build_lock: the compiler's too)
+from spmd_engine.kernels.packed_weights import layout
 
 logger = logging.getLogger("spmd_engine")
 
@@ -61,6 +60,8 @@ SUFFIX = ".pt2"
 _SPEC_KEY = "spmd_engine.inputs"
 # The dynamic dims: tokens in the step, KV blocks in a cache, blocks a decode token reads.
 _MIN = {"N": 2, "NB": 2, "B": 2}
+# What a graph is traced from, under spmd_engine/ (digest hashes their source).
+GRAPH_SOURCES = ("model", "compilation", "kernels", "forward_context.py", "platform.py")
 
 
 def applies(backend: str, device: torch.device | str = "cpu") -> bool:
@@ -72,27 +73,16 @@ def applies(backend: str, device: torch.device | str = "cpu") -> bool:
             and torch.device(device).type == "cpu")
 
 
-def cache_dir() -> Path:
-    """Inductor's cache directory, found as inductor finds it (TORCHINDUCTOR_CACHE_DIR, else
-    `torchinductor_<user>` in the temporary directory) without importing inductor, which
-    imports dynamo (tests/unit/model/test_precompiled_packages.py holds the two equal)."""
-    path = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if path is None:
-        try:
-            user = getpass.getuser()
-        except (KeyError, ModuleNotFoundError, OSError):
-            user = f"uid_{os.getuid()}" if hasattr(os, "getuid") else "unknown_user"
-        path = os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
-    return Path(os.path.abspath(path))
-
-
 @functools.lru_cache(maxsize=None)
 def _source_digest() -> str:
-    root = Path(__file__).resolve().parent
+    """The source of everything a graph is traced from: the model, this compiler, the kernels
+    and the forward-time state."""
+    root = Path(__file__).resolve().parent.parent  # spmd_engine/
     h = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        h.update(str(path.relative_to(root)).encode())
-        h.update(path.read_bytes())
+    for part in GRAPH_SOURCES:
+        for path in sorted((root / part).rglob("*.py")) if (root / part).is_dir() else [root / part]:
+            h.update(str(path.relative_to(root)).encode())
+            h.update(path.read_bytes())
     return h.hexdigest()
 
 
@@ -100,13 +90,10 @@ def digest(model, chunk_length: int, backend: str, mode: str | None, single: boo
            decode: bool = False) -> str:
     """What decides a chunk's graph, hashed (the module docstring lists it); `single`: the graph
     of one-token steps; `decode`: of decode-shaped steps (attention traced)."""
-    from spmd_engine.model.layers.linear import RowParallelLinear
     first = next(iter(model.model.layers.values()))
-    from spmd_engine.model.layers import decode_attention
-    from spmd_engine.model.layers.packed_weights import layout
     packed = tuple(layout(m.weight) for m in first.modules() if getattr(m, "packable_weight", False))
     kernel = decode and decode_attention.usable(model.device)  # the graph calls the kernel's op
-    groups = tuple(getattr(m, "compile_group", None) for m in model.modules() if isinstance(m, RowParallelLinear))
+    groups = tuple(m.compile_group for m in model.modules() if hasattr(m, "compile_group"))  # row-parallel linears
     facts = ("aoti", torch.__version__, sys.version, platform.machine(), torch.backends.cpu.get_cpu_capability(),
              torch.get_num_threads(), _source_digest(), repr(model.spec), str(model.dtype), model.device.type,
              model.tp_group.world_size, groups, packed, chunk_length, backend, mode, single, decode, kernel,
@@ -180,32 +167,6 @@ class Package:
         self._fixed, self._last = leading, list(flat[:leading])
         self._fixed_bound = self._check(flat, range(leading), {}) or {}
         self._intact = False
-
-
-@contextlib.contextmanager
-def build_lock(path: Path):
-    """Hold the lock on building `path`; yields whether another process held it first (then
-    it has probably saved the package: load before building). An flock, so a builder that dies
-    releases it; without a writable cache folder there is nothing to share and no lock."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o600)
-    except OSError:
-        yield False
-        return
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            waited = False
-        except BlockingIOError:
-            start = time.monotonic()
-            logger.info("compiled forward: another process is building %s; waiting for it", path.name)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            waited = True
-            logger.info("compiled forward: waited %.1f s for %s", time.monotonic() - start, path.name)
-        yield waited
-    finally:
-        os.close(fd)  # releases the lock
 
 
 def load(path: Path) -> Package | None:

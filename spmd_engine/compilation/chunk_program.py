@@ -7,7 +7,7 @@ module owns nothing: its inputs are the chunk's weights, in a fixed order, then 
 (K, V) caches, then the step's tensors; `forward` puts them in place for the trace
 (torch.func.functional_call for the weights, the attention modules' cache attributes for the
 caches) and takes them out again afterwards. On the last pipeline stage the model's final norm
-comes last among the weights, and the chunk returns the normed sum as well (compilation.py).
+comes last among the weights, and the chunk returns the normed sum as well (compiled_layers.py).
 
 Nothing here may hold a container whose identity matters later: torch.export snapshots the
 exported module's plain attributes through pytree and puts the snapshot back when it is done
@@ -22,15 +22,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from spmd_engine.forward_context import COMPILED
+
 
 def _attention(layer) -> nn.Module:
-    from spmd_engine.model.layers.attention import Attention
-    return next(m for m in layer.modules() if isinstance(m, Attention))
+    """The layer's attention: the module that holds its KV cache."""
+    return next(m for m in layer.modules() if hasattr(m, "k_cache") and hasattr(m, "v_cache"))
 
 
 class ChunkProgram(nn.Module):
     """`forward(weights, caches, cos, sin, hidden, residual, decode)` runs the chunk's layers as
-    compilation's `_chunk_step` does (with `norm`, the final RMSNorm, applied to the result as
+    compiled_layers' `_chunk_step` does (with `norm`, the final RMSNorm, applied to the result as
     well). `flat_inputs` gives the live tensors in export's order."""
 
     def __init__(self, chunk: tuple, norm: nn.Module | None = None):
@@ -62,8 +64,7 @@ class ChunkProgram(nn.Module):
         return [*self.weights(), *self.caches(), cos, sin, hidden, residual, *(decode or ())]
 
     def forward(self, weights, caches, cos, sin, hidden, residual, decode):
-        from spmd_engine.model import compilation
-        attn = compilation.COMPILED if decode is None else decode
+        attn = COMPILED if decode is None else decode
         bound = [(a.k_cache, a.v_cache) for a in self._attention]
         at = 0
         try:

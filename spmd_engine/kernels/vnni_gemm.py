@@ -35,14 +35,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from spmd_engine import envs
+from spmd_engine import envs, platform
 from spmd_engine.config import ConfigError
-from spmd_engine.model.layers import native
+from spmd_engine.kernels import native
 
 logger = logging.getLogger("spmd_engine")
 
-SOURCE = Path(__file__).resolve().parent / "kernels" / "vnni_gemm.cpp"
-# Each as torch's cpuinfo names it and as /proc/cpuinfo does (loader.cpu_flags reads either):
+SOURCE = Path(__file__).resolve().with_name("vnni_gemm.cpp")
+# Each as torch's cpuinfo names it and as /proc/cpuinfo does (platform.cpu_flags reads either):
 # what any path needs, and what the bf16 paths need besides.
 NEEDED_FLAGS = (("avx512_f", "avx512f"), ("avx512_bw", "avx512bw"), ("avx512_vl", "avx512vl"))
 BF16_FLAGS = (("avx512_bf16", "avx512_bf16"),)
@@ -153,8 +153,7 @@ def unavailable(dtype: torch.dtype = torch.bfloat16) -> str | None:
     """Why the kernel cannot take `dtype`'s weights here, or None once it is loaded and its
     trial for them agrees. fp32 needs AVX-512 F, BW and VL; bf16 AVX512-BF16 as well (a CPU with
     AVX-512 but without it, Skylake to Ice Lake, gets the fp32 path only)."""
-    from spmd_engine.model.loader import cpu_flags
-    flags = cpu_flags()
+    flags = platform.cpu_flags()
     needed = NEEDED_FLAGS + (() if dtype == torch.float32 else BF16_FLAGS)
     missing = [names[0] for names in needed if not flags.intersection(names)]
     if missing:
