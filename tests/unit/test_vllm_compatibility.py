@@ -336,8 +336,8 @@ def test_every_vllm_name_has_one_row_with_one_verdict():
 
 def test_the_page_is_the_snapshot_and_verdicts_rendered():
     """The page is regenerated from the two files (never edited by hand), every verdict reviewed."""
-    import vllm_audit
-    assert vllm_audit.render_page(SNAPSHOT, VERDICTS) == PAGE, "run: scripts/vllm_audit.py --write-doc"
+    from audit_vllm.page import render_page
+    assert render_page(SNAPSHOT, VERDICTS) == PAGE, "run: scripts/vllm_audit.py --write-doc"
     unreviewed = [(c, n) for c, rows in VERDICTS["classes"].items() for n, v in rows.items()
                   if v.get("reviewed") is False]
     assert not unreviewed, unreviewed
