@@ -110,7 +110,7 @@ class Waiter:
                 next_watch, pause = start + policy.alive_every_s, policy.first_sleep_s
             if self._watch is not None and now >= next_watch:
                 self._watch(about)
-                next_watch = now + policy.alive_every_s
+                next_watch = clock() + policy.alive_every_s  # from the watch's end: a slow watch never runs twice in a row
             if self._between is not None:
                 self._between(ready, about)
             nap = self._nap if napping else None
