@@ -75,3 +75,33 @@ def test_a_worker_that_fails_to_start_is_shut_down(tmp_path):
     with pytest.raises(OSError, match="no weights"):
         Executor(counting_config(tmp_path))
     assert made[0].shut
+
+
+class LauncherWorker(StandInWorker):
+    def __init__(self, config, local_rank=0, rank=0, broadcast_sampled_tokens=False, **_):
+        super().__init__()
+        self.local_rank, self.rank, self.broadcast = local_rank, rank, broadcast_sampled_tokens
+
+
+@pytest.fixture
+def launcher_worker(monkeypatch):
+    import spmd_engine.executor.uniproc as uniproc
+    monkeypatch.setattr(uniproc, "Worker", LauncherWorker)
+
+
+def test_external_launcher_takes_its_place_from_the_launch(tmp_path, monkeypatch, launcher_worker):
+    """Each torchrun (or srun) process is an engine whose one worker sits at the launch's rank;
+    every rank broadcasts its sampled tokens (a replica's ranks must hold the same ones)."""
+    from spmd_engine.executor.uniproc import ExecutorWithExternalLauncher
+    for name, value in {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    worker = ExecutorWithExternalLauncher(counting_config(tmp_path)).driver_worker
+    assert (worker.rank, worker.local_rank, worker.broadcast) == (5, 1, True)
+
+
+def test_external_launcher_without_a_launch_or_a_world_is_one_line(tmp_path, launcher_worker):
+    from spmd_engine.config import ConfigError
+    from spmd_engine.executor.uniproc import ExecutorWithExternalLauncher
+    with pytest.raises(ConfigError, match="'external_launcher' needs a launcher \\(torchrun, srun\\)"):
+        ExecutorWithExternalLauncher(counting_config(tmp_path))
