@@ -12,7 +12,11 @@ level-0 sleep), and the engine serves again only then.
 
 from __future__ import annotations
 
+import logging
+
 from spmd_engine.config import ConfigError
+
+logger = logging.getLogger("spmd_engine")
 
 TAGS = ("weights", "kv_cache", "scheduling")
 
@@ -33,9 +37,10 @@ class SleepMode:
         from spmd_engine.engine.pause import MODES
         if mode not in MODES:
             raise ValueError(f"sleep mode must be one of {MODES}, got mode={mode!r}")
-        if self.asleep:
-            raise RuntimeError(f"the engine is already asleep ({', '.join(sorted(self.asleep))} given back): "
-                               f"wake_up() first")
+        if self.asleep:  # vLLM's executor warns and does nothing: clients sleep again without a check
+            logger.warning("sleep(level=%s): the engine is already asleep (%s given back); nothing done",
+                           level, ", ".join(sorted(self.asleep)))
+            return []
         paused_here = not engine.pause.paused
         if paused_here:  # what the pause finished (aborted requests) comes back from the next step()
             engine.keep_for_next_step(engine.pause_generation(mode, clear_cache=level >= 1))

@@ -102,3 +102,13 @@ def test_weight_versions_follow_vllms_calls(engine):
     assert out.weight_version == "v1" and engine.get_weight_version() == "v1"
     engine.update_weight_version(7)
     assert engine.get_weight_version() == 7
+
+
+def test_a_second_sleep_is_a_warning_and_nothing_else_as_in_vllm(engine, caplog):
+    engine.sleep(level=1)
+    assert engine.sleep(level=2) == [] and "already asleep" in caplog.text
+    assert not engine.sleep_mode.weights_discarded  # the first sleep's level stands
+    assert engine.wake_up() is True
+    engine.add_request("after", [3], params(output_kind=RequestOutputKind.FINAL_ONLY))
+    (out,) = run(engine)
+    assert out.outputs[0].token_ids == [4, 5, 6]
