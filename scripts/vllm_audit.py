@@ -6,9 +6,9 @@ ignored / refused). Keeping that promise by hand over hundreds of names drifts, 
 
     # 1. vLLM's names, read from its source with `ast` (vLLM is never imported: it needs CUDA
     #    wheels), written to a snapshot that CI reads instead of vLLM
-    python scripts/vllm_audit.py --vllm-src /tmp/vllm/src/vllm
+    python scripts/vllm_audit.py --vllm-src DIR/vllm   # DIR: the unpacked wheel
     # 2. a first guess for each name by probing our code (this checkout, or another one)
-    python scripts/vllm_audit.py --classify [--package-root /tmp/base] [--diff]
+    python scripts/vllm_audit.py --classify [--package-root CHECKOUT] [--diff]
     # 3. missing verdicts seeded from the guesses (then reviewed by hand), and the page written
     python scripts/vllm_audit.py --init-verdicts
     python scripts/vllm_audit.py --write-doc

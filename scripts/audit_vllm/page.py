@@ -154,10 +154,10 @@ code or the verdict file), and write this page again:
 .venv/bin/python scripts/vllm_audit.py --write-doc
 ```
 
-For a new vLLM, the snapshot comes from its unpacked `vllm/` package (`--vllm-src
-/tmp/vllm/src/vllm`), `--init-verdicts` adds a guessed verdict (marked `reviewed: false`) for
-each new name, to be reviewed; `--classify --package-root /tmp/base --save-before` stores the
-"before" totals of another checkout.
+For a new vLLM, the snapshot comes from its unpacked `vllm/` package (`pip download
+vllm==X --no-deps`, unzip, then `--vllm-src DIR/vllm`), `--init-verdicts` adds a guessed
+verdict (marked `reviewed: false`) for each new name, to be reviewed; `--classify
+--package-root CHECKOUT --save-before` stores the "before" totals of another checkout.
 
 ## Totals
 """
