@@ -71,6 +71,7 @@ class _EngineArgFields:
     override_generation_config: dict | None = None
     enable_sleep_mode: bool = False
     admission: str = "identical"  # this engine's own (engine/admission.py)
+    return_sampling_mask: bool = False  # vLLM's: every request returns its sampling masks
 
 
 class EngineArgs(_EngineArgFields):
@@ -123,6 +124,7 @@ class EngineArgs(_EngineArgFields):
                                 skip_tokenizer_init=bool(self.skip_tokenizer_init))
         inputs.max_logprobs = checked_max_logprobs(self.max_logprobs, inputs.vocab_size)
         model_config.max_model_len = inputs.max_model_len
+        inputs.return_sampling_mask = bool(self.return_sampling_mask)
         from spmd_engine.engine.generation_config import default_sampling_kwargs
         inputs.default_sampling_kwargs = default_sampling_kwargs(
             model_config.model_dir, self.generation_config, self.override_generation_config)

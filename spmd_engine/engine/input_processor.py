@@ -43,6 +43,7 @@ class InputProcessor:
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
         self.max_logprobs = 20  # EngineArgs sets both (vLLM's max_logprobs, generation_config)
         self.default_sampling_kwargs: dict = {}
+        self.return_sampling_mask = False  # LLM(return_sampling_mask=True): every request's masks
 
     def encode(self, prompt, index: int, tokenization_kwargs: dict | None = None) -> tuple[str | None, list[int]]:
         """(text or None, token ids) for a string, a list of token ids, or vLLM's prompt dicts

@@ -236,6 +236,9 @@ class LLMEngine:
         if params.max_tokens is None:  # vLLM: up to the model's context
             params = copy.copy(params)
             params.max_tokens = self.inputs.max_model_len - len(ids)
+        if self.inputs.return_sampling_mask and not params.return_sampling_mask:  # vLLM's engine-wide switch
+            params = copy.copy(params)
+            params.return_sampling_mask = True
         self.inputs.check_params(params, index)
         if params.stop and self.inputs.tokenizer is None:
             raise ConfigError(f"prompt {index}: stop strings need a tokenizer, and this model has none "

@@ -46,7 +46,7 @@ IGNORED_VLLM_ARGS = frozenset("""
     safetensors_load_strategy attention_backend disable_hybrid_kv_cache_manager kv_sharing_fast_prefill
     kv_offloading_size kv_offloading_backend max_num_logprobs
     prefix_caching_hash_algo disable_chunked_mm_input enable_mfu_metrics show_hidden_metrics_for_version
-    return_sampling_mask enable_extensible_kv_cache profiler_config attention_config quantization_config
+    enable_extensible_kv_cache profiler_config attention_config quantization_config
     offload_group_size offload_num_in_group offload_prefetch_step offload_params spec_method spec_model
     spec_tokens
 """.split())
@@ -57,7 +57,7 @@ RESULT_CHANGING = {
     "quantization": None, "quantization_config": None, "kv_cache_dtype": "auto", "hf_overrides": None,
     "rope_scaling": None, "rope_theta": None, "tokenizer": None, "enable_lora": False, "enable_prompt_adapter": False,
     "logits_processors": None, "runner": "auto", "convert": "auto", "task": "auto", "calculate_kv_scales": False,
-    "return_sampling_mask": False, "mm_processor_kwargs": None, "disable_sliding_window": False,
+    "mm_processor_kwargs": None, "disable_sliding_window": False,
     "logits_processor_pattern": None, "enable_lora_bias": False, "fully_sharded_loras": False,
     "tokenizer_mode": "auto",
 }

@@ -70,3 +70,22 @@ def test_generate_without_params_uses_the_checkpoints_defaults(tmp_path):
         assert plain == SamplingParams()
         sampled = [o.outputs[0].token_ids for o in llm.generate(prompts * 2)]
         assert sampled != want * 2  # temperature 1.0, no top_k: sampled, 16 tokens
+
+
+@pytest.mark.timeout(300)
+def test_return_sampling_mask_on_the_engine_gives_every_request_its_masks():
+    """vLLM 0.34's LLM(return_sampling_mask=True) is engine-wide: each output carries, per token,
+    the ids it could have been drawn from; here the same masks a request asking for them gets."""
+    params = SamplingParams(temperature=1.0, top_k=5, max_tokens=6, seed=3)
+    with LLM(max_model_len=64, return_sampling_mask=True) as llm:
+        (out,) = llm.generate(["Flat is"], params)
+    with LLM(max_model_len=64) as llm:
+        (plain,) = llm.generate(["Flat is"], params)
+        (asked,) = llm.generate(["Flat is"], SamplingParams(temperature=1.0, top_k=5, max_tokens=6, seed=3,
+                                                            return_sampling_mask=True))
+    assert plain.outputs[0].sampling_mask is None
+    mask = out.outputs[0].sampling_mask
+    assert len(mask) == 6 and all(len(mask[t]) == 5 for t in range(6))
+    assert (mask.token_ids, mask.offsets) == (asked.outputs[0].sampling_mask.token_ids,
+                                              asked.outputs[0].sampling_mask.offsets)
+    assert out.outputs[0].token_ids == asked.outputs[0].token_ids
