@@ -20,13 +20,18 @@ def entry(name: str, kind: str, default: Default | None = None, **extra: Any) ->
     return row
 
 
-def dataclass_fields(tree: SourceTree, module: str, cls_name: str, kind: str = "field") -> list[dict]:
-    """Public annotated fields of a dataclass / msgspec Struct / pydantic model, with defaults
-    (own fields after the bases', as dataclasses order them)."""
+def audited_class(tree: SourceTree, module: str, cls_name: str) -> tuple[str, ast.ClassDef]:
+    """(defining module, class) of a class the audit reads; a vLLM that moved it stops the run."""
     found = tree.find_class(module, cls_name)
     if found is None:
         raise SystemExit(f"vllm_audit: class {cls_name} not found from {module}")
-    mod, cls = found
+    return found
+
+
+def dataclass_fields(tree: SourceTree, module: str, cls_name: str, kind: str = "field") -> list[dict]:
+    """Public annotated fields of a dataclass / msgspec Struct / pydantic model, with defaults
+    (own fields after the bases', as dataclasses order them)."""
+    mod, cls = audited_class(tree, module, cls_name)
     rows: dict[str, dict] = {}
     for base in cls.bases:
         if isinstance(base, ast.Name) and tree.find_class(mod, base.id):
@@ -73,10 +78,7 @@ def signature_of(tree: SourceTree, module: str, fn: ast.FunctionDef, drop_first:
 def public_methods(tree: SourceTree, module: str, cls_name: str, with_bases: bool = True) -> list[dict]:
     """Public defs of a class and (first definition winning, as the MRO would) of its vLLM bases;
     an @overload stub gives way to the implementation."""
-    found = tree.find_class(module, cls_name)
-    if found is None:
-        raise SystemExit(f"vllm_audit: class {cls_name} not found from {module}")
-    mod, cls = found
+    mod, cls = audited_class(tree, module, cls_name)
     rows: dict[str, dict] = {}
     for node in cls.body:
         if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
