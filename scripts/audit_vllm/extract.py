@@ -204,4 +204,4 @@ def write_snapshot(package_dir: Path, path: Path) -> None:
     data = extract(package_dir)
     path.write_text(json.dumps(data, indent=1) + "\n")
     counts = ", ".join(f"{k} {len(v)}" for k, v in data["classes"].items())
-    print(f"wrote {path.relative_to(REPO)}: vLLM {data['vllm_version']}: {counts}")
+    print(f"wrote {path}: vLLM {data['vllm_version']}: {counts}")
