@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from audit_vllm import REPO
 from audit_vllm.source import Default, SourceTree, class_field, evaluate
 
 
