@@ -18,6 +18,7 @@ also collective over the DP replicas, which all loop together.
 from __future__ import annotations
 
 import copy
+import functools
 import random
 import threading
 import time
@@ -157,12 +158,23 @@ class LLMEngine:
         shape is a ValueError before any worker sees it) and counted by the weight update."""
         if method == "load_weights":
             try:
-                args = (checked_weights(self.inputs, *args, **(kwargs or {})),)
+                args = (checked_weights(self._hf_shapes, self._model_spec.architecture, *args, **(kwargs or {})),)
             except Exception as exc:
                 self.updates.note_load_error(exc)
                 raise
             kwargs = None
         return self._client.collective_rpc(method, args, kwargs, unique_reply_rank)
+
+    @functools.cached_property
+    def _model_spec(self):
+        from spmd_engine.model.spec import ModelSpec
+        return ModelSpec.from_hf_config(self.inputs.hf_config, "config.json")
+
+    @functools.cached_property
+    def _hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The model's full HF tensor shapes, worked out once (a trainer pushes tensor by tensor)."""
+        from spmd_engine.model.weights import hf_tensor_shapes
+        return hf_tensor_shapes(self._model_spec)
 
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """Forget every cached prefix block (as vLLM: False while requests are running).
@@ -357,15 +369,13 @@ def check_request_extras(lora_request, priority) -> None:
                          f"(spmd_engine schedules first come, first served)")
 
 
-def checked_weights(inputs, weights) -> list[tuple[str, Any]]:
-    """The (HF name, full tensor) pairs as a list, each name and shape checked, so a bad one is
-    a ValueError before any worker sees it (a worker's exception would fail an mp executor)."""
+def checked_weights(shapes: dict[str, tuple[int, ...]], architecture: str, weights) -> list[tuple[str, Any]]:
+    """The (HF name, full tensor) pairs as a list, each name and shape (`shapes`: the model's
+    full ones) checked, so a bad one is a ValueError before any worker sees it (a worker's
+    exception would fail an mp executor)."""
     from collections.abc import Mapping
 
-    from spmd_engine.model.spec import ModelSpec
-    from spmd_engine.model.weights import hf_tensor_shapes, is_skipped_name
-    spec = ModelSpec.from_hf_config(inputs.hf_config, "config.json")
-    shapes = hf_tensor_shapes(spec)
+    from spmd_engine.model.weights import is_skipped_name
     pairs = list(weights.items() if isinstance(weights, Mapping) else weights)
     for pair in pairs:
         if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and isinstance(pair[0], str)):
@@ -375,7 +385,7 @@ def checked_weights(inputs, weights) -> list[tuple[str, Any]]:
             continue
         if name not in shapes:
             raise ValueError(f"load_weights: unknown weight name {name!r} (not a tensor of this "
-                             f"{spec.architecture} model)")
+                             f"{architecture} model)")
         if tuple(getattr(tensor, "shape", ())) != shapes[name]:
             raise ValueError(f"load_weights: {name} has shape {list(getattr(tensor, 'shape', ()))}, "
                              f"expected {list(shapes[name])}")
