@@ -12,7 +12,19 @@ import sys
 import tempfile
 import textwrap
 
-from benchmarks import compilation, decode, mixed, moe, parallel, sampling, scheduler, startup, transport
+from benchmarks import (
+    compilation,
+    decode,
+    lora,
+    mixed,
+    moe,
+    parallel,
+    sampling,
+    scheduler,
+    startup,
+    structured,
+    transport,
+)
 
 # name: (function, what it measures, against what). The order is the run order.
 FIGURES = {
@@ -65,6 +77,13 @@ graph vs the opaque paged attention op, one uni bf16 engine, B=8 and B=32, in tu
 C++ decode-attention kernel vs the traced torch code (where the kernel is usable)"""),
     "cuda_graphs": (compilation.fig_cuda_graphs, """CUDA only: bf16 decode tokens/s with decode steps replayed as
 CUDA graphs (the default) vs enforce_eager, B=1, 8 and 32"""),
+    "structured": (structured.fig_structured, """structured outputs: decode B=8 bf16 (uni) with every request under a
+JSON schema vs the same requests unconstrained, same engine in turns, tokens/s (target >= 0.8); the
+first constrained request (grammar compiled against the 32k vocabulary) vs the same request
+unconstrained, seconds"""),
+    "lora": (lora.fig_lora, """LoRA adapters: decode B=8 bf16 (uni) with every request on one rank-16 adapter
+(all 7 targets), and with four adapters mixed in the batch, vs the same requests on the base
+model, same engine in turns, tokens/s (targets >= 0.7 and >= 0.6)"""),
     "async": (scheduler.fig_async, """async scheduling (step k+1 scheduled while step k runs) vs the same engine
 without, decode tokens/s: uni bf16 at B=1 and 8 (the worker on a step thread) and mp TP=2 at
 B=8 (the engine process schedules while its workers run), engines in turns; same tokens

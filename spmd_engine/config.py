@@ -398,6 +398,42 @@ class CompilationConfig:
         return cls(**{k: v for k, v in values.items() if k in ours}, ignored=ignored)
 
 
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's MaxLoRARanks
+LORA_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class LoRAConfig:
+    """LoRA adapters (vLLM's LoRAConfig names and defaults): `max_loras` adapters may serve one
+    step (each holds a slot of the model's adapter weights), `max_cpu_loras` stay loaded on the
+    host (least recently used evicted beyond), none of rank above `max_lora_rank`."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
+    lora_dtype: str = "auto"  # "auto": the model's dtype
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_lora_rank not in MAX_LORA_RANKS:
+            raise ConfigError(f"max_lora_rank {self.max_lora_rank} is not one of vLLM's "
+                              f"{', '.join(map(str, MAX_LORA_RANKS))}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        elif isinstance(self.max_cpu_loras, bool) or not isinstance(self.max_cpu_loras, int):
+            raise ConfigError(f"max_cpu_loras must be an integer or None, got {self.max_cpu_loras!r}")
+        elif self.max_cpu_loras < self.max_loras:
+            raise ConfigError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}).")
+        if self.lora_dtype is None:
+            self.lora_dtype = "auto"
+        if str(self.lora_dtype).removeprefix("torch.") not in LORA_DTYPES:
+            raise ConfigError(f"lora_dtype {self.lora_dtype!r} is not one of {', '.join(LORA_DTYPES)}")
+        self.lora_dtype = str(self.lora_dtype).removeprefix("torch.")
+
+
 @dataclass
 class EngineConfig:
     """Everything one engine (one DP replica) needs; pickled to its workers under mp."""
@@ -412,3 +448,4 @@ class EngineConfig:
     dp_waves: bool = False  # replicas step in lockstep (MoE under DP): engine/dp_waves.py
     # Resolved by EngineArgs: level 0 (eager) here, so a config built by hand runs eager.
     compilation_config: CompilationConfig = field(default_factory=lambda: CompilationConfig(level=0))
+    lora_config: LoRAConfig | None = None  # LLM(enable_lora=True): adapters (model/lora/)

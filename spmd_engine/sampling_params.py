@@ -33,6 +33,66 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = 2
 
 
+CONSTRAINT_FIELDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's: the one constraint every sampled token of a request obeys (docs/structured-outputs.md).
+
+    Exactly one of `json` (a JSON schema, dict or text), `regex`, `choice` (strings),
+    `grammar` (EBNF, or Lark when it has no `::=`) or `json_object` (any JSON object) is set;
+    none or several is an error here, before any engine sees it. `disable_any_whitespace`
+    makes JSON compact; `disable_additional_properties` closes every object of the schema that
+    does not say otherwise; `whitespace_pattern` is read by vLLM's other backends only
+    (xgrammar's ignores it, as here). `structural_tag` is vLLM's too and refused by the backend.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        set_ = [name for name in CONSTRAINT_FIELDS if getattr(self, name) not in (None, False)]
+        if len(set_) > 1:
+            raise ConfigError(f"structured_outputs: only one constraint may be set, got {', '.join(set_)}")
+        if not set_:
+            raise ConfigError(f"structured_outputs: set one constraint of {', '.join(CONSTRAINT_FIELDS)}; none is set")
+        kind = set_[0]
+        value = getattr(self, kind)
+        expected = {"json": (str, dict), "regex": str, "grammar": str, "structural_tag": str, "json_object": bool}
+        if kind == "choice":
+            if (not isinstance(value, (list, tuple)) or not value
+                    or not all(isinstance(c, str) for c in value)):
+                raise ConfigError(f"structured_outputs.choice must be a non-empty list of strings, got {value!r}")
+            self.choice = list(value)
+        elif not isinstance(value, expected[kind]) or (isinstance(value, str) and not value):
+            raise ConfigError(f"structured_outputs.{kind} has the wrong type or is empty: {value!r}")
+        for flag in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigError(f"structured_outputs.{flag} must be True or False, got {getattr(self, flag)!r}")
+
+    @property
+    def kind(self) -> str:
+        """The constraint's field name."""
+        return next(name for name in CONSTRAINT_FIELDS if getattr(self, name) not in (None, False))
+
+    @classmethod
+    def from_dict(cls, fields: dict) -> "StructuredOutputsParams":
+        """From a JSON object (a prompts-file line, a batch body); unknown keys are an error."""
+        known = set(cls.__dataclass_fields__)
+        odd = sorted(set(fields) - known)
+        if odd:
+            raise ConfigError(f"structured_outputs: unknown field(s) {odd} (known: {', '.join(sorted(known))})")
+        return cls(**fields)
+
+
 @dataclass
 class SamplingParams:
     """vLLM's names, defaults and meanings: temperature 1.0 unless asked (0 is greedy, below
@@ -104,7 +164,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True  # vLLM reads it for slow tokenizers only; none here is
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stream_interval: int | None = None
-    structured_outputs: object | None = None  # refused when set (no grammar backend yet)
+    structured_outputs: "StructuredOutputsParams | None" = None  # a dict is read as one
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     extra_args: dict | None = None  # carried for custom logits processors; read by none here
@@ -169,11 +229,14 @@ class SamplingParams:
         """vLLM's fields that would change a result and that this engine does not implement: a
         one-line error naming each, never a silent default."""
         unsupported = {"watermarking": self.watermarking is not None and self.watermarking is not False,
-                       "thinking_token_budget": self.thinking_token_budget is not None,
-                       "structured_outputs": self.structured_outputs is not None}
+                       "thinking_token_budget": self.thinking_token_budget is not None}
         for name, set_ in unsupported.items():
             if set_:
                 raise ConfigError(f"SamplingParams.{name}={getattr(self, name)!r} is not supported by spmd_engine")
+        if isinstance(self.structured_outputs, dict):  # JSON bodies and prompt files carry a dict
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ConfigError(f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}")
         si = self.stream_interval
         if si is not None and (isinstance(si, bool) or not isinstance(si, int) or si < 1):
             raise ConfigError(f"stream_interval must be an integer >= 1, got {si!r}")

@@ -22,6 +22,12 @@ Why DDP and not FSDP2: the model has 1.2M parameters, so sharding it saves nothi
 `state_dict()` is already full tensors under HF names, the form `load_weights` takes (an FSDP2
 model would hand DTensors, which `load_weights` gathers with `full_tensor()`; that works too).
 
+With `--lora R` the trainer trains a rank-R LoRA adapter instead of the weights (the base stays
+frozen on both sides) and pushes it as tensors every step: `llm_engine.add_lora` with
+`load_inplace=True`, the request shape verl sends (`peft_config` and `lora_tensors`), and the
+rollouts name it with `lora_request`. The trainer's adapter is PEFT's on transformers' model, or
+with `--batch-invariant` the engine's own LoRA layers (spmd_engine.model.lora.trainable).
+
 The reward curve must come from the weight updates reaching the engine: `--no-weight-sync`
 skips `load_weights`, and then the reward stays flat while the logprob difference grows.
 Deterministic: fixed seeds for the trainer, the engine and every request; OMP_NUM_THREADS=1.
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -57,16 +64,38 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-invariant", action="store_true",
                    help="the engine in batch-invariant mode and, as trainer, the engine's own model "
                         "(spmd_engine.model.trainer): trainer and engine logprobs equal bit for bit")
+    p.add_argument("--lora", type=int, default=0, metavar="R",
+                   help="train a rank-R LoRA adapter and push it (as tensors) instead of the weights")
     return p.parse_args(argv)
 
 
 def rollout(llm, prompts: list[str], args, step: int, first_index: int):
     """n samples per prompt; each prompt has its own seed (sample k draws from seed + k)."""
     from spmd_engine import SamplingParams
+    from spmd_engine.lora_request import LoRARequest
     params = [SamplingParams(n=args.samples, temperature=1.0, logprobs=0, max_tokens=args.max_tokens,
                              seed=((args.seed * 1000 + step) * len(PROMPTS) + first_index + i) * args.samples)
               for i in range(len(prompts))]
-    return llm.generate(prompts, params)
+    return llm.generate(prompts, params, lora_request=LoRARequest("policy", 1, "trainer") if args.lora else None)
+
+
+def lora_push(trainer, load_inplace: bool):
+    """The trainer's adapter as verl sends it: a LoRARequest carrying its config and tensors."""
+    from spmd_engine.lora_request import LoRARequest
+
+    @dataclass
+    class TensorLoRARequest(LoRARequest):
+        peft_config: dict = field(default=None)
+        lora_tensors: dict = field(default=None)
+    if isinstance(trainer, BatchInvariantTrainer):
+        config, tensors = trainer.lora.peft_config(), trainer.lora.peft_tensors()
+    else:
+        from peft import get_peft_model_state_dict
+        peft_model = trainer.module
+        config = peft_model.peft_config["default"].to_dict()  # as verl: PEFT's enums and sets included
+        tensors = {k: v.detach() for k, v in get_peft_model_state_dict(peft_model).items()}
+    return TensorLoRARequest("policy", 1, "trainer", load_inplace=load_inplace, peft_config=config,
+                             lora_tensors=tensors)
 
 
 def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
@@ -98,15 +127,22 @@ class BatchInvariantTrainer(torch.nn.Module):
     bit. Called as transformers' model is here (`input_ids=` -> `.logits`); gradients are
     averaged over the world by hand (DDP would need its own forward)."""
 
-    def __init__(self, path):
+    def __init__(self, path, lora_rank: int = 0):
         super().__init__()
         from spmd_engine.model.trainer import trainer_model
         self.model = trainer_model(path)
+        self.lora = None
+        if lora_rank:  # the base frozen; the adapter's A and B are what trains
+            from spmd_engine.model.lora.trainable import TrainableLoRA
+            self.model.requires_grad_(False)
+            self.lora = TrainableLoRA(self.model, r=lora_rank, alpha=2 * lora_rank)
 
     def forward(self, input_ids):
+        from contextlib import nullcontext
         from types import SimpleNamespace
         positions = torch.arange(input_ids.shape[1]).expand(input_ids.shape[0], -1)
-        hidden = self.model.forward(input_ids, positions, None)["hidden_states"]
+        with self.lora.active() if self.lora is not None else nullcontext():
+            hidden = self.model.forward(input_ids, positions, None)["hidden_states"]
         return SimpleNamespace(logits=self.model.compute_logits(hidden))
 
     @staticmethod
@@ -119,7 +155,7 @@ class BatchInvariantTrainer(torch.nn.Module):
         return dict(hf_named_parameters(self.model))
 
     def average_gradients(self) -> None:
-        for param in self.model.parameters():
+        for param in self.parameters():
             if param.grad is not None:
                 dist.all_reduce(param.grad)
                 param.grad /= dist.get_world_size()
@@ -160,15 +196,22 @@ def main(argv=None) -> list[float]:
     path = ModelConfig(model=None).model_dir  # the bundled model
 
     if args.batch_invariant:
-        trainer = model = BatchInvariantTrainer(path)
+        trainer = model = BatchInvariantTrainer(path, args.lora)
     else:
         model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+        if args.lora:
+            from peft import LoraConfig, get_peft_model
+            model = get_peft_model(model, LoraConfig(r=args.lora, lora_alpha=2 * args.lora, lora_dropout=0.0,
+                                                     target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                     "gate_proj", "up_proj", "down_proj"]))
         trainer = DistributedDataParallel(model)  # CPU + gloo: gradients all-reduced over the 4 ranks
-    optimizer = torch.optim.Adam(trainer.parameters(), lr=args.lr)
+    optimizer = torch.optim.Adam([p for p in trainer.parameters() if p.requires_grad], lr=args.lr)
     llm = LLM(model=path, tensor_parallel_size=TP, distributed_executor_backend="external_launcher",
               seed=args.seed + replica, enable_sleep_mode=True, max_model_len=64,
-              batch_invariant=args.batch_invariant)
+              batch_invariant=args.batch_invariant, enable_lora=bool(args.lora), max_lora_rank=max(args.lora, 8))
     engine_model = llm.llm_engine.model_executor.driver_worker.model_runner.model
+    if args.lora:
+        llm.llm_engine.add_lora(lora_push(trainer, load_inplace=False))  # B is zero: the base model
 
     first = replica * args.prompts_per_replica
     prompts = [PROMPTS[(first + i) % len(PROMPTS)] for i in range(args.prompts_per_replica)]
@@ -200,7 +243,10 @@ def main(argv=None) -> list[float]:
             # A versioned push: no rank serves a half-written policy, and each rollout after it
             # says which policy produced it (RequestOutput.weight_version).
             llm.start_weight_update()
-            engine_model.load_weights(model.state_dict().items())  # full tensors, HF names
+            if args.lora:  # the adapter replaced in place, between two engine steps
+                llm.llm_engine.add_lora(lora_push(trainer, load_inplace=True))
+            else:
+                engine_model.load_weights(model.state_dict().items())  # full tensors, HF names
             llm.finish_weight_update(step + 1)
         llm.wake_up(tags=["kv_cache"])
         llm.reset_prefix_cache()  # cached prefixes hold keys and values of the old weights

@@ -40,7 +40,8 @@ class KVCacheManager:
         hashes, bs = request.block_hashes, self.block_size
         while len(hashes) < num_full_blocks:
             i = len(hashes)
-            hashes.append(chain_hash(hashes[-1] if hashes else None, request.token_slice(i * bs, (i + 1) * bs)))
+            parent = hashes[-1] if hashes else request.cache_root
+            hashes.append(chain_hash(parent, request.token_slice(i * bs, (i + 1) * bs)))
         return hashes
 
     def get_computed_blocks(self, request: Request) -> list[int]:

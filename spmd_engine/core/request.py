@@ -53,6 +53,10 @@ class Request:
     routed_experts: list[tuple[int, Any]] | None = field(default=None, repr=False)
     # Chain hashes of this request's full blocks, computed once each (prefix caching).
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
+    # The LoRA adapter it runs with (0: the base model) and what its first block's hash chains
+    # from: the adapter's identity and load, so a cached prefix is found only under the same one.
+    lora_int_id: int = 0
+    cache_root: bytes | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:

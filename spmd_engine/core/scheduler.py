@@ -23,7 +23,8 @@ host's scheduling and output processing overlap the forward. A request whose
 step in flight samples is scheduled again at once, one token ahead: its input is
 PLACEHOLDER_TOKEN_ID, which the runner replaces with the token it sampled for
 that request in step k. It is not scheduled ahead when that token may be its
-last by length (max_tokens, max_model_len); one that step k ends (EOS, a stop
+last by length (max_tokens, max_model_len), nor when it has structured outputs
+(its grammar mask for step k+1 depends on that token); one that step k ends (EOS, a stop
 token or string, an abort) has its step k+1 token dropped, and its freed blocks
 are only written by later steps, which the workers run in order. Which tokens a
 request gets is unchanged; only which step admits a waiting request can move.
@@ -52,9 +53,10 @@ from spmd_engine.core.step_messages import (
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
-                 eos_token_id: int | Sequence[int] | None):
+                 eos_token_id: int | Sequence[int] | None, max_loras: int = 0):
         """`eos_token_id`: one id or several (the model's first, then generation_config.json's
-        others, e.g. Llama-3-Instruct's end-of-turn); any of them ends a request."""
+        others, e.g. Llama-3-Instruct's end-of-turn); any of them ends a request. `max_loras`:
+        the most LoRA adapters one step may use (vLLM's): a request of another adapter waits."""
         if config.max_model_len is None or config.max_num_batched_tokens is None:
             raise ValueError("SchedulerConfig.resolve(max_model_len, block_size) first")
         self.config = config
@@ -62,6 +64,7 @@ class Scheduler:
         ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
         self.eos_token_id = ids[0] if ids else None  # the model's own: finishes with stop_reason None
         self.eos_token_ids = frozenset(ids)
+        self.max_loras = max_loras
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._known_to_runner: set[str] = set()
@@ -90,12 +93,13 @@ class Scheduler:
         max_seqs = -(-(len(self.running) + len(self.waiting)) // split)
         seqs: list[ScheduledSeq] = []
         new: list[NewRequestData] = []
+        loras: set[int] = set()  # the adapters this step uses
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0 and len(seqs) < max_seqs:
             request = self.running[i]
             n = min(self._tokens_to_compute(request), budget)
-            if n == 0:  # its step is in flight
+            if n == 0 or not self._lora_fits(request, loras):  # its step is in flight, or max_loras
                 i += 1
                 continue
             added = self.kv.allocate_slots(request, n)
@@ -109,10 +113,11 @@ class Scheduler:
             if added is None:
                 break
             seqs.append(self._scheduled(request, n, added, new_block_table=False))
+            loras.add(request.lora_int_id)
             budget -= n
             i += 1
         if not preempted:
-            budget = self._admit(budget, seqs, new, max_seqs)
+            budget = self._admit(budget, seqs, new, max_seqs, loras)
         if not seqs and in_flight:
             self._finished_since_last_step = finished  # they go with the next step sent
             self._step -= 1
@@ -124,7 +129,14 @@ class Scheduler:
             )
         self.stats["steps"] += 1
         self.stats["peak_running"] = max(self.stats["peak_running"], len(self.running))
-        return SchedulerOutput(self._step, seqs, new, finished)
+        out = SchedulerOutput(self._step, seqs, new, finished)
+        out.active_loras = sorted(loras - {0})
+        return out
+
+    def _lora_fits(self, request: Request, loras: set[int]) -> bool:
+        """Its adapter is the base model, already in this step, or one more within max_loras."""
+        lora_id = request.lora_int_id
+        return not lora_id or lora_id in loras or len(loras - {0}) < self.max_loras
 
     def _tokens_to_compute(self, request: Request) -> int:
         """The known tokens not yet computed; under async scheduling, when there are none, the
@@ -132,18 +144,26 @@ class Scheduler:
         known = request.num_tokens - request.num_computed_tokens
         if known or not request.num_output_placeholders:
             return known
+        if request.params.structured_outputs is not None:  # its grammar mask needs that token first
+            return 0
         ahead = request.num_tokens + request.num_output_placeholders
         if (len(request.output_token_ids) + request.num_output_placeholders >= request.params.max_tokens
                 or ahead >= self.config.max_model_len):
             return 0
         return ahead - request.num_computed_tokens
 
-    def _admit(self, budget: int, seqs: list[ScheduledSeq], new: list[NewRequestData], max_seqs: int) -> int:
-        """Waiting requests in order, while the budget, max_num_seqs and free blocks allow."""
+    def _admit(self, budget: int, seqs: list[ScheduledSeq], new: list[NewRequestData], max_seqs: int,
+               loras: set[int]) -> int:
+        """Waiting requests in order, while the budget, max_num_seqs and free blocks allow; one
+        whose LoRA adapter would exceed max_loras this step is passed over (it keeps its place)."""
         bs = self.kv.block_size
-        while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
+        j = 0
+        while (j < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs
                and len(seqs) < max_seqs):
-            request = self.waiting[0]
+            request = self.waiting[j]
+            if not self._lora_fits(request, loras):
+                j += 1
+                continue
             # prompt_logprobs need every prompt position's logits: no prefix-cache hits (as vLLM).
             hits = [] if request.params.prompt_logprobs is not None else self.kv.get_computed_blocks(request)
             computed = len(hits) * bs
@@ -154,7 +174,8 @@ class Scheduler:
             added = self.kv.allocate_slots(request, n, hits)
             if added is None:
                 break
-            self.waiting.popleft()
+            del self.waiting[j]
+            loras.add(request.lora_int_id)
             self.running.append(request)
             self.stats["prefix_queries_tokens"] += request.num_tokens
             self.stats["prefix_hits_tokens"] += computed
@@ -174,7 +195,7 @@ class Scheduler:
         needs_prompt = p.repetition_penalty != 1.0 or p.prompt_logprobs is not None
         return NewRequestData(request.request_id, p, request.seed, request.num_prompt_tokens,
                               stop_ids if p.min_tokens else [],
-                              list(request.prompt_token_ids) if needs_prompt else None)
+                              list(request.prompt_token_ids) if needs_prompt else None, request.lora_int_id)
 
     def _scheduled(self, request: Request, n: int, added: list[int], new_block_table: bool) -> ScheduledSeq:
         start, known = request.num_computed_tokens, request.num_tokens

@@ -30,6 +30,7 @@ class NewRequestData:
     num_prompt_tokens: int
     stop_ids: list[int] = field(default_factory=list)
     prompt_token_ids: list[int] | None = None
+    lora_int_id: int = 0  # the adapter it runs with (0: the base model)
 
 
 PLACEHOLDER_TOKEN_ID = -1  # not a vocabulary id: an embedding lookup of it fails loudly
@@ -60,11 +61,41 @@ class ScheduledSeq:
 
 
 @dataclass
+class GrammarBitmask:
+    """Structured outputs: the ids each constrained request may sample this step, packed as the
+    grammar backend fills them (bit j of word i allows id 32 * i + j), one row per request id.
+    Computed by the engine from (constraint, tokens so far) only, so every rank that runs its
+    own engine (external_launcher) ships the same rows; a request whose grammar has ended has
+    no row (it samples unconstrained, as vLLM)."""
+
+    request_ids: list[str]
+    bitmask: Any  # numpy int32 [len(request_ids), ceil(vocab / 32)]
+
+
+@dataclass
+class AdapterSource:
+    """A LoRA adapter a rank must load: its PEFT directory, or (`in_memory`) the
+    (peft_config, tensors) a trainer handed over."""
+
+    lora_int_id: int
+    lora_name: str
+    lora_path: str
+    in_memory: tuple[dict, dict] | None = None
+
+
+@dataclass
 class SchedulerOutput:
+    """`lora_loads` / `lora_evictions`: adapters every rank loads / drops before this step
+    (engine/lora_adapters.py decides, so the ranks' loaded sets stay equal)."""
+
     step: int
     seqs: list[ScheduledSeq]
     new_requests: list[NewRequestData]
     finished_request_ids: list[str]
+    lora_loads: list[AdapterSource] = field(default_factory=list)
+    lora_evictions: list[int] = field(default_factory=list)
+    active_loras: list[int] = field(default_factory=list)  # the adapter ids this step's requests use
+    grammar: GrammarBitmask | None = None  # set by the engine after scheduling (structured outputs)
 
     @property
     def num_scheduled_tokens(self) -> int:

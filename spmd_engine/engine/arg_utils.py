@@ -21,6 +21,7 @@ from spmd_engine.config import (
     CompilationConfig,
     ConfigError,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -72,6 +73,11 @@ class _EngineArgFields:
     enable_sleep_mode: bool = False
     admission: str = "identical"  # this engine's own (engine/admission.py)
     return_sampling_mask: bool = False  # vLLM's: every request returns its sampling masks
+    enable_lora: bool = False  # vLLM's LoRA arguments (config.LoRAConfig)
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_dtype: str | None = "auto"
 
 
 class EngineArgs(_EngineArgFields):
@@ -102,6 +108,15 @@ class EngineArgs(_EngineArgFields):
             enable_expert_parallel=self.enable_expert_parallel,
             distributed_executor_backend=self.distributed_executor_backend,
         )
+
+    def create_lora_config(self) -> LoRAConfig | None:
+        """vLLM's: the LoRA sizes count only with enable_lora."""
+        if not isinstance(self.enable_lora, bool):
+            raise ConfigError(f"enable_lora must be True or False, got {self.enable_lora!r}")
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                          max_cpu_loras=self.max_cpu_loras, lora_dtype=self.lora_dtype)
 
     def create_engine_config(self, check_kv_budget: bool = True) -> "EngineSetup":
         """Checked in this order; `check_kv_budget=False` for a plan that reports the budget
@@ -153,7 +168,7 @@ class EngineArgs(_EngineArgFields):
             model_config=model_config, parallel_config=parallel, scheduler_config=scheduler,
             cache_config=cache, seed=seed, device=self.device or default_device(),
             timeout_s=self.timeout_s if self.timeout_s is not None else envs.timeout_s(),
-            dp_waves=needs_dp_waves(parallel, inputs.hf_config),
+            dp_waves=needs_dp_waves(parallel, inputs.hf_config), lora_config=self.create_lora_config(),
         )
         from spmd_engine.platform import choose_dtype
         dtype, line = choose_dtype(model_config.dtype, inputs.hf_config, config.device)

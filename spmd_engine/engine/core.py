@@ -16,6 +16,7 @@ from spmd_engine.engine.core_client import EngineDeadError, FinishedCallback
 from spmd_engine.engine.metrics import LatencyHistogram
 from spmd_engine.engine.overlapped_steps import OverlappedSteps
 from spmd_engine.engine.stop_strings import StopStringWatcher
+from spmd_engine.engine.structured.manager import StructuredOutputManager
 from spmd_engine.executor.abstract import Executor
 
 logger = logging.getLogger("spmd_engine")
@@ -37,8 +38,12 @@ class EngineCore:
         cache.num_gpu_blocks, cache.num_cpu_blocks = num_blocks, 0
         logger.info("engine ready: %s", kv_sizing.describe(num_blocks, cache.block_size, per_token))
         kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler_config, kv, eos_token_id)
+        lora = config.lora_config
+        self.scheduler = Scheduler(config.scheduler_config, kv, eos_token_id, max_loras=lora.max_loras if lora else 0)
+        from spmd_engine.engine.lora_adapters import LoRAAdapters
+        self.loras = LoRAAdapters(lora, _lora_spec(config) if lora else None, self.executor)
         self.stop_strings = StopStringWatcher(config.model_config.model_dir)
+        self.structured = StructuredOutputManager(config.model_config.model_dir, sorted(self.scheduler.eos_token_ids))
         self.dp_waves = config.dp_waves and config.parallel_config.data_parallel_size > 1
         self.wave_stats = {"waves": 0, "wave_steps": 0, "dummy_steps": 0}
         self._in_wave = False
@@ -65,7 +70,23 @@ class EngineCore:
         return self.executor
 
     def add_request(self, request: Request) -> None:
+        request.cache_root = self.loras.cache_root(request.lora_int_id)
+        self.structured.add(request)  # a constraint the backend refuses raises before it is queued
         self.scheduler.add_request(request)
+
+    # -- LoRA adapters (engine/lora_adapters.py) ---------------------------------------------
+    def add_lora(self, lora_request) -> bool:
+        return self.loras.add(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        users = [r for r in (*self.scheduler.running, *self.scheduler.waiting) if r.lora_int_id == lora_id]
+        return self.loras.remove(lora_id, in_use=len(users))
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return self.loras.pin(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self.loras.list()
 
     def abort_requests(self, request_ids: list[str]) -> list[Request]:
         """Finish these requests now (finish_reason "abort", their tokens so far); unknown or
@@ -73,6 +94,7 @@ class EngineCore:
         aborted = self.scheduler.abort_requests(request_ids)
         for request in aborted:
             self.stop_strings.forget(request.request_id)
+            self.structured.remove(request.request_id)
         return aborted
 
     def has_unfinished_requests(self) -> bool:
@@ -126,6 +148,10 @@ class EngineCore:
 
     def _schedule(self, **in_flight):
         out = self.scheduler.schedule(**in_flight)
+        if out is not None and self.loras.config is not None:  # the adapters every rank loads or drops first
+            self.loras.plan_step(out)
+        if out is not None and self.structured.tracks:  # the step's grammar rows, from the tokens so far
+            out.grammar = self.structured.bitmask(out, {r.request_id: r for r in self.scheduler.running})
         now = time.time()
         for request in self.scheduler.running:
             if request.first_scheduled_time is None:
@@ -139,6 +165,8 @@ class EngineCore:
         lengths = {rid: len(r.output_token_ids) for rid, r in running.items()}
         finished = self.scheduler.update_from_output(scheduler_output, model_output)
         self._check_stop_strings(model_output.request_ids, running, finished)
+        if self.structured.tracks:
+            self._end_structured(model_output.request_ids, running)
         progressed = [running[rid] for rid in dict.fromkeys(model_output.request_ids)
                       if rid in running and len(running[rid].output_token_ids) > lengths[rid]]
         now = time.time()
@@ -176,6 +204,22 @@ class EngineCore:
             request.finish_reason, request.stop_reason = "stop", stop
             if not ended:
                 self.scheduler.finish_request(request)
+
+    def _end_structured(self, sampled: list[str], running: dict[str, Request]) -> None:
+        """A constrained request whose grammar took a stop token ends there, even under min_tokens
+        or ignore_eos (nothing after it could obey the grammar); finished ones drop their matcher."""
+        for rid in dict.fromkeys(sampled):
+            request = running.get(rid)
+            if request is None:
+                continue
+            if request.finish_reason is None and self.structured.ended(request):
+                token = request.output_token_ids[-1]
+                request.finish_reason = "stop"
+                request.stop_reason = None if token == self.scheduler.eos_token_id else token
+                self.scheduler.finish_request(request)
+                self.stop_strings.forget(rid)
+            if request.finish_reason is not None:
+                self.structured.remove(rid)
 
     def _wave_open(self) -> bool:
         """Whether any replica has work (collective over DP); a "no" closes the wave."""
@@ -293,4 +337,18 @@ def _step_digest(scheduler_output, model_output) -> str:
     """What a step scheduled and sampled, in a few bytes: every rank of a replica must agree."""
     seqs = [(s.request_id, s.context_len, len(s.token_ids), s.block_ids) for s in scheduler_output.seqs]
     summary = (scheduler_output.step, seqs, model_output.request_ids, [int(t) for t in model_output.sampled_token_ids])
+    grammar = scheduler_output.grammar
+    if grammar is not None:  # structured outputs: every rank must mask alike
+        summary += (grammar.request_ids, hashlib.sha256(grammar.bitmask.tobytes()).hexdigest())
     return hashlib.sha256(repr(summary).encode()).hexdigest()[:16]
+
+
+def _lora_spec(config: EngineConfig):
+    """The model's spec, which adapters are checked against (config.json, read once)."""
+    import json
+    import os
+
+    from spmd_engine.model.spec import ModelSpec
+    path = os.path.join(config.model_config.model_dir, "config.json")
+    with open(path) as f:
+        return ModelSpec.from_hf_config(json.load(f), path)

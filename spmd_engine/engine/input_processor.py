@@ -21,6 +21,7 @@ class InputProcessor:
         from spmd_engine.model.spec import ModelSpec
         from spmd_engine.model.tokenizer import load_tokenizer
         self.hf_config = read_hf_config(model_dir)
+        self.model_dir = str(model_dir)
         # Every field checked (one line naming config.json) before any is used here.
         spec = ModelSpec.from_hf_config(self.hf_config, os.path.join(model_dir, "config.json"))
         self.skip_tokenizer_init = skip_tokenizer_init
@@ -92,12 +93,26 @@ class InputProcessor:
             if bad:
                 raise ConfigError(f"prompt {index}: {name} has token id {bad[0]} outside the vocabulary "
                                   f"[0, {self.vocab_size})")
+        if params.structured_outputs is not None:
+            self._check_structured(params.structured_outputs, index)
         if params.bad_words and params.bad_words_token_ids is None:
             if self.tokenizer is None:
                 raise ConfigError(f"prompt {index}: bad_words need a tokenizer, and this model has none "
                                   f"({self._tokenizer_error})")
             encode = lambda text: self.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
             params.set_bad_words_token_ids(bad_words_token_ids(params.bad_words, encode))
+
+    def _check_structured(self, constraint, index: int) -> None:
+        """Compile the constraint now (the engine takes it from the same cache): a schema, regex
+        or grammar the backend refuses fails this request with the backend's message."""
+        if self.tokenizer is None:
+            raise ConfigError(f"prompt {index}: structured_outputs need the tokenizer's vocabulary "
+                              f"({self._tokenizer_error})")
+        from spmd_engine.engine.structured.backend import grammar_backend
+        try:
+            grammar_backend(self.model_dir, self.tokenizer, self.vocab_size, sorted(self.eos_token_ids)).compile(constraint)
+        except ConfigError as exc:
+            raise ConfigError(f"prompt {index}: {exc}") from None
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if self.tokenizer is None:

@@ -146,14 +146,15 @@ class LLM:
         token ids, {"prompt": text}, {"prompt_token_ids": ids}, or a list mixing these; no
         `sampling_params`: get_default_sampling_params(). `use_tqdm` (off by default here: under
         torchrun every rank would draw a bar) shows a tqdm bar when tqdm is installed (a
-        callable is used as the tqdm class). `lora_request` (one, or one per prompt) must be
-        None until LoRA exists; `priority` 0 (no priority scheduling, as vLLM's default);
+        callable is used as the tqdm class). `lora_request` (one, or one per prompt): the LoRA
+        adapter each runs with, loaded first if it is not (LLM(enable_lora=True)); `priority` 0 (no priority scheduling, as vLLM's default);
         `tokenization_kwargs` cut long prompts (engine/tokenization.py). `progress(requests,
         tokens)` is called as requests finish (from every replica this process drives), for a
         progress display; `on_output(position, output)` too, with each finished request."""
         if mm_processor_kwargs is not None:
             raise ConfigError("mm_processor_kwargs: multimodal inputs are not supported by spmd_engine")
-        for one in _per_prompt(lora_request):
+        loras = _per_prompt(lora_request)
+        for one in loras:
             check_request_extras(one, 0)
         for one in _per_prompt(priority if priority is not None else 0):
             check_request_extras(None, one)
@@ -168,7 +169,8 @@ class LLM:
         news = []
         if engine.takes_input and (_has_prompts(prompts) or not self.dp_waves):
             try:
-                news = self._new_requests(prompts, sampling_params, call, tokenization_kwargs)
+                engine.use_loras(loras)
+                news = self._new_requests(prompts, sampling_params, call, tokenization_kwargs, loras)
             except Exception:
                 self._meet_replica_empty_handed()
                 raise
@@ -238,7 +240,7 @@ class LLM:
         times, a replica without prompts with an empty list."""
         return self.config.dp_waves
 
-    def _new_requests(self, prompts, sampling_params, call: int, tokenization_kwargs=None) -> list:
+    def _new_requests(self, prompts, sampling_params, call: int, tokenization_kwargs=None, loras=(None,)) -> list:
         """Every prompt tokenized, checked and seeded before any is queued: a refused call
         queues nothing and draws nothing, so every rank's seed stream stays with the others'.
         Each gets id str(k), k counting over this LLM's generate calls, and FINAL_ONLY outputs."""
@@ -253,6 +255,9 @@ class LLM:
         params_list = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ConfigError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
+        loras = list(loras) if len(loras) != 1 else list(loras) * len(prompts)
+        if len(loras) != len(prompts):
+            raise ConfigError(f"{len(loras)} lora requests for {len(prompts)} prompts")
         stream, first = engine.seed_stream.getstate(), self._next_request
         news = []
         try:
@@ -260,7 +265,8 @@ class LLM:
                 final = copy.copy(params)
                 final.output_kind = RequestOutputKind.FINAL_ONLY
                 news.append(engine.new_request(str(self._next_request), prompt, final, origin=(call, index),
-                                               index=index, tokenization_kwargs=tokenization_kwargs))
+                                               index=index, tokenization_kwargs=tokenization_kwargs,
+                                               lora_request=loras[index]))
                 self._next_request += 1
         except BaseException:
             engine.seed_stream.setstate(stream)

@@ -214,6 +214,33 @@ class LLMEngine:
     def update_weight_version(self, new_version: str | int) -> None:
         self.updates.set_version(new_version)
 
+    # -- LoRA adapters (vLLM's llm_engine methods; engine/lora_adapters.py) -------------------
+    def add_lora(self, lora_request) -> bool:
+        """Load an adapter on every rank of every replica this process drives (again, replacing
+        it, with `load_inplace=True`); a bad adapter is a LoRAAdapterError naming it and why."""
+        self._check_alive()
+        return all(self._client.call_core("add_lora", lora_request))
+
+    def remove_lora(self, lora_id: int) -> bool:
+        self._check_alive()
+        return all(self._client.call_core("remove_lora", lora_id))
+
+    def list_loras(self) -> set[int]:
+        return set().union(*self._client.call_core("list_loras"))
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return all(self._client.call_core("pin_lora", lora_id))
+
+    def use_loras(self, lora_requests) -> None:
+        """The adapters requests are about to run with, loaded first (vLLM loads a request's
+        adapter when it is scheduled); one with `load_inplace=True` is loaded again, once."""
+        seen: set[int] = set()
+        for request in lora_requests:
+            if request is None or request.lora_int_id in seen:
+                continue
+            seen.add(request.lora_int_id)
+            self.add_lora(request)  # a known one is only checked (name and id) unless load_inplace
+
     # -- the request API ---------------------------------------------------------------
     @property
     def takes_input(self) -> bool:
@@ -227,15 +254,17 @@ class LLMEngine:
         returns its id (vLLM's). A request id still unfinished is a ValueError; a finished one's id
         may be used again. `params` None: the model's default sampling parameters."""
         check_request_extras(lora_request, priority)
+        self.use_loras([lora_request])
         new = self.new_request(request_id, prompt, params, arrival_time,
-                               tokenization_kwargs=tokenization_kwargs)
+                               tokenization_kwargs=tokenization_kwargs, lora_request=lora_request)
         self.queue_request(new)
         return request_id
 
     def new_request(self, request_id: str, prompt, params: SamplingParams | None, arrival_time=None,
-                    origin=None, index: int = 0, tokenization_kwargs: dict | None = None) -> NewRequest:
+                    origin=None, index: int = 0, tokenization_kwargs: dict | None = None,
+                    lora_request=None) -> NewRequest:
         """The request tokenized, checked and seeded (nothing queued: generate checks every
-        prompt before it queues any)."""
+        prompt before it queues any). Its `lora_request` must be loaded (use_loras)."""
         self._check_takes_input("add_request")
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
@@ -257,7 +286,7 @@ class LLMEngine:
                               f"({self.inputs._tokenizer_error})")
         seed = params.seed if params.seed is not None else self.seed_stream.getrandbits(63)
         return NewRequest(request_id, text, ids, params, seed, time.time() if arrival_time is None else arrival_time,
-                          origin)
+                          origin, _light(lora_request))
 
     def queue_request(self, new: NewRequest) -> None:
         self._queue.append(("add", new))
@@ -358,10 +387,11 @@ class LLMEngine:
 
 
 def check_request_extras(lora_request, priority) -> None:
-    """vLLM's per-request arguments this engine has no feature for yet: a clear error, never a
-    silent default (None and priority 0 are vLLM's defaults and mean nothing here)."""
-    if lora_request is not None:
-        raise NotImplementedError("lora_request: LoRA adapters are not supported by spmd_engine yet")
+    """vLLM's per-request arguments checked: a LoRARequest or None, and priority 0 (no priority
+    scheduling here: a clear error, never a silent default)."""
+    from spmd_engine.lora_request import LoRARequest
+    if lora_request is not None and not isinstance(lora_request, LoRARequest):
+        raise TypeError(f"lora_request must be a LoRARequest or None, got {type(lora_request).__name__}")
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise TypeError(f"priority must be an integer, got {priority!r}")
     if priority != 0:
@@ -390,3 +420,13 @@ def checked_weights(shapes: dict[str, tuple[int, ...]], architecture: str, weigh
             raise ValueError(f"load_weights: {name} has shape {list(getattr(tensor, 'shape', ()))}, "
                              f"expected {list(shapes[name])}")
     return pairs
+
+
+def _light(lora_request):
+    """The request's adapter without the tensors a trainer may have attached (they were loaded
+    already; requests are exchanged between ranks and kept until they finish)."""
+    if lora_request is None or getattr(lora_request, "lora_tensors", None) is None:
+        return lora_request
+    from spmd_engine.lora_request import LoRARequest
+    return LoRARequest(lora_request.lora_name, lora_request.lora_int_id, lora_request.lora_path,
+                       lora_request.base_model_name)

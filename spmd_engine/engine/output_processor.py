@@ -38,10 +38,16 @@ class NewRequest:
     seed: int
     arrival_time: float
     origin: tuple[int, int] | None = None
+    lora_request: Any = None  # the LoRARequest it runs with (None: the base model)
+
+    @property
+    def lora_int_id(self) -> int:
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     def identity(self) -> tuple:
         """What must be equal on every rank (not the arrival time: each rank has its clock)."""
-        return (self.request_id, self.prompt_token_ids, self.params, self.seed, self.origin)
+        lora = None if self.lora_request is None else (self.lora_request.lora_name, self.lora_int_id)
+        return (self.request_id, self.prompt_token_ids, self.params, self.seed, self.origin, lora)
 
 
 class _RequestState:
@@ -84,7 +90,8 @@ class OutputProcessor:
         n = new.params.n
         ids = [base] if n == 1 else [f"{base}.{k}" for k in range(n)]
         samples = [Request(rid, list(new.prompt_token_ids), new.params, (new.seed + k) & SEED_MASK,
-                           prompt=new.prompt, arrival_time=new.arrival_time) for k, rid in enumerate(ids)]
+                           prompt=new.prompt, arrival_time=new.arrival_time, lora_int_id=new.lora_int_id)
+                   for k, rid in enumerate(ids)]
         state = _RequestState(new, samples)
         self.states[new.request_id] = state
         for k, r in enumerate(samples):
@@ -142,6 +149,7 @@ class OutputProcessor:
             full = _completion(k, r, self.inputs)
             if kind is RequestOutputKind.DELTA:
                 full = _delta(full, state, k)
+            full.lora_request = state.new.lora_request
             completions.append(full)
         first = samples[0]
         prompt_logprobs = None
@@ -153,8 +161,8 @@ class OutputProcessor:
                 prompt_logprobs = prompt_logprobs[sent:]
         metrics = self._metrics(state, done)
         return RequestOutput(state.new.request_id, first.prompt, list(first.prompt_token_ids), prompt_logprobs,
-                             completions, done, metrics, num_cached_tokens=metrics.num_cached_tokens,
-                             weight_version=self.weight_version())
+                             completions, done, metrics, lora_request=state.new.lora_request,
+                             num_cached_tokens=metrics.num_cached_tokens, weight_version=self.weight_version())
 
     def _metrics(self, state: _RequestState, done: bool) -> RequestStateStats:
         samples = state.samples

@@ -49,7 +49,7 @@ class CompletionOutput:
     routed_experts: Any = None
     finish_reason: str | None = None  # "stop" (EOS, stop_token_ids, a stop string), "length", "abort"
     stop_reason: int | str | None = None  # the stop string or stop token id; None for the EOS or a length
-    lora_request: Any = None  # always None: no LoRA here
+    lora_request: Any = None  # the LoRARequest it ran with (None: the base model)
     sampling_mask: SamplingMask | None = None  # SamplingParams(return_sampling_mask=True)
     spec_decode_metrics: Any = None  # always None: no speculative decoding here
     weight_versions: list | None = None  # vLLM's per-token spans; see RequestOutput.weight_version

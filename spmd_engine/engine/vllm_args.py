@@ -28,8 +28,8 @@ IGNORED_VLLM_ARGS = frozenset("""
     hf_overrides tokenizer_revision quantization max_seq_len_to_capture
     disable_custom_all_reduce tokenizer_pool_size tokenizer_pool_type tokenizer_pool_extra_config
     limit_mm_per_prompt mm_processor_kwargs mm_processor_cache_gb disable_mm_preprocessor_cache
-    mm_encoder_tp_mode enable_lora enable_lora_bias max_loras max_lora_rank fully_sharded_loras
-    lora_extra_vocab_size long_lora_scaling_factors lora_dtype max_cpu_loras enable_prompt_adapter
+    mm_encoder_tp_mode enable_lora_bias fully_sharded_loras
+    lora_extra_vocab_size long_lora_scaling_factors enable_prompt_adapter
     max_prompt_adapters max_prompt_adapter_token num_scheduler_steps multi_step_stream_outputs
     ray_workers_use_nsight num_gpu_blocks_override num_lookahead_slots model_loader_extra_config
     ignore_patterns preemption_mode scheduler_delay_factor guided_decoding_backend
@@ -55,7 +55,7 @@ IGNORED_VLLM_ARGS = frozenset("""
 # means vLLM's default): refused by name then.
 RESULT_CHANGING = {
     "quantization": None, "quantization_config": None, "kv_cache_dtype": "auto", "hf_overrides": None,
-    "rope_scaling": None, "rope_theta": None, "tokenizer": None, "enable_lora": False, "enable_prompt_adapter": False,
+    "rope_scaling": None, "rope_theta": None, "tokenizer": None, "enable_prompt_adapter": False,
     "logits_processors": None, "runner": "auto", "convert": "auto", "task": "auto", "calculate_kv_scales": False,
     "mm_processor_kwargs": None, "disable_sliding_window": False,
     "logits_processor_pattern": None, "enable_lora_bias": False, "fully_sharded_loras": False,

@@ -57,6 +57,11 @@ class HFTokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    @property
+    def backend(self):
+        """The `tokenizers.Tokenizer` itself (model/token_bytes.py reads its vocabulary)."""
+        return self._tok
+
 
 def _first_id(value: Any) -> int | None:
     if isinstance(value, list):

@@ -27,6 +27,7 @@ from spmd_engine.run.cli_args import (
 )
 from spmd_engine.run.error_file import AtomicErrorHandler, record_for_torchrun
 from spmd_engine.run.jobs import check_launched_world, prompts_to_do, run_launched, run_local
+from spmd_engine.run.lora_modules import add_lora_args, check_adapter_dirs, served_adapters
 from spmd_engine.run.prompts import load_prompts, read_chat_template
 from spmd_engine.run.records import PromptJob, print_records
 from spmd_engine.run.stderr_line import report
@@ -89,6 +90,7 @@ def add_job_args(p: UsageParser) -> None:
     p.add_argument("--timeout", type=seconds, default=None, metavar="SECONDS",
                    help="limit for every collective and worker call (default: SPMD_ENGINE_TIMEOUT_S or 300)")
     p.add_argument("--quiet", action="store_true", help="no logs or progress")
+    add_lora_args(p)
 
 
 def sampling_params_from_args(args) -> SamplingParams:
@@ -125,8 +127,14 @@ def load_job(args) -> PromptJob:
     check_args(args)
     if args.prompt and args.prompts_file:
         raise ConfigError("give prompts with --prompt or --prompts-file, not both")
-    return PromptJob(load_prompts(args.prompt, args.prompts_file), sampling_params_from_args(args),
-                     read_chat_template(args.chat_template))
+    adapters = served_adapters(args, args.model or "bundled")
+    prompts = load_prompts(args.prompt, args.prompts_file)
+    for prompt in prompts:  # every line's adapter name known before any model is read
+        try:
+            adapters.for_line(prompt.adapter)
+        except ConfigError as exc:
+            raise ConfigError(f"{prompt.where}: {exc}") from None
+    return PromptJob(prompts, sampling_params_from_args(args), read_chat_template(args.chat_template), adapters)
 
 
 def check_model_and_job(args, job) -> "EngineSetup":
@@ -136,6 +144,7 @@ def check_model_and_job(args, job) -> "EngineSetup":
     from spmd_engine.model.checkpoint_check import check_checkpoint
     setup = EngineArgs.from_cli_args(args).create_engine_config()
     check_checkpoint(setup.config.model_config.model_dir, setup.spec)
+    check_adapter_dirs(job.adapters, setup)
     job.check(setup)
     return setup
 

@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass, field
 
 from spmd_engine.config import ConfigError
+from spmd_engine.run.lora_modules import line_adapter
 
 DEFAULT_PROMPT = "Beautiful is"
 
@@ -22,6 +23,8 @@ class PromptInput:
     token_ids: tuple[int, ...] | None = None
     messages: list[dict] | None = None
     where: str | None = field(default=None, compare=False)  # "FILE:LINE", for errors found later
+    structured_outputs: dict | None = None  # the line's own constraint (docs/structured-outputs.md)
+    adapter: tuple[str, str] | None = None  # the line's ("lora" or "model", name) (run/lora_modules.py)
 
     def as_llm_input(self):
         if self.text is not None and self.token_ids is not None:
@@ -67,22 +70,36 @@ def _jsonl_prompt(path: str, lineno: int, line: str) -> PromptInput:
         raise ConfigError(f"{where}: malformed JSON: {exc.msg} (column {exc.colno})") from None
     if not isinstance(obj, dict):
         raise ConfigError(f'{where}: expected an object with "prompt", "prompt_token_ids" or "messages"')
+    so = obj.get("structured_outputs")
+    if so is not None:
+        from spmd_engine.sampling_params import StructuredOutputsParams
+        if not isinstance(so, dict):
+            raise ConfigError(f'{where}: "structured_outputs" must be an object')
+        try:
+            StructuredOutputsParams.from_dict(so)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+    try:
+        adapter = line_adapter(obj)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
     if "messages" in obj:
         from spmd_engine.engine.chat_template import normalize_messages
         try:
-            return PromptInput(messages=normalize_messages(obj["messages"]), where=where)
+            return PromptInput(messages=normalize_messages(obj["messages"]), where=where, structured_outputs=so,
+                               adapter=adapter)
         except ConfigError as exc:
             raise ConfigError(f"{where}: {exc}") from None
     if "prompt" in obj:
         if not isinstance(obj["prompt"], str) or not obj["prompt"]:
             raise ConfigError(f'{where}: "prompt" must be a non-empty string')
-        return PromptInput(text=obj["prompt"], where=where)
+        return PromptInput(text=obj["prompt"], where=where, structured_outputs=so, adapter=adapter)
     if "prompt_token_ids" in obj:
         ids = obj["prompt_token_ids"]
         if (not isinstance(ids, list) or not ids
                 or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
             raise ConfigError(f'{where}: "prompt_token_ids" must be a non-empty list of non-negative integers')
-        return PromptInput(token_ids=tuple(ids), where=where)
+        return PromptInput(token_ids=tuple(ids), where=where, structured_outputs=so, adapter=adapter)
     raise ConfigError(f'{where}: expected "prompt", "prompt_token_ids" or "messages"')
 
 
@@ -114,6 +131,7 @@ def render_conversations(prompts: list[PromptInput], model_dir: str, tokenizer,
                 d = chat_prompt(tokenizer, model_dir, p.messages, template)
             except ConfigError as exc:
                 raise ConfigError(f"{p.where or f'prompt {index}'}: {exc}") from None
-            p = PromptInput(text=d["prompt"], token_ids=tuple(d["prompt_token_ids"]), where=p.where)
+            p = PromptInput(text=d["prompt"], token_ids=tuple(d["prompt_token_ids"]), where=p.where,
+                            structured_outputs=p.structured_outputs, adapter=p.adapter)
         rendered.append(p)
     return rendered

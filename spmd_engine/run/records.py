@@ -8,8 +8,9 @@ same-invocation check compare its digest); `output_flags`, the flags that shape 
 record; `check(setup)`, every input checked (and rendered) against the model before
 any process starts; `ready_record(i)`, a record that needs no generation (an invalid
 batch line) or None; `request(i, engine_seed)`, the (prompt, SamplingParams) to
-generate; `record(i, out)`, the record of a RequestOutput; and `drop_index`, whether
-the merged file leaves out the "index" every part-file line carries.
+generate; `lora_request(i)`, the LoRA adapter it runs with (None: the base model);
+`record(i, out)`, the record of a RequestOutput; and `drop_index`, whether the merged
+file leaves out the "index" every part-file line carries.
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from spmd_engine.config import ConfigError
+from spmd_engine.run.lora_modules import ServedAdapters
 from spmd_engine.run.progress import Progress
 from spmd_engine.run.prompts import PromptInput, render_conversations
 from spmd_engine.sampling_params import SamplingParams
 
 # Flags that change what a `run` record holds; layout and timing flags do not.
 RUN_OUTPUT_FLAGS = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "dtype",
-                    "max_model_len", "pp_partition", "logprobs_mode")
+                    "max_model_len", "pp_partition", "logprobs_mode", "lora_modules", "lora_dtype")
 
 
 def result_record(index: int, prompt: PromptInput, out) -> dict:
@@ -39,6 +41,8 @@ def result_record(index: int, prompt: PromptInput, out) -> dict:
     if completion.logprobs is not None:
         record["logprobs"] = [{str(k): json_logprob(v.logprob) for k, v in step.items()}
                               for step in completion.logprobs]
+    if out.lora_request is not None:  # only lines run with an adapter carry its name
+        record["lora"] = out.lora_request.lora_name
     return record
 
 
@@ -57,6 +61,7 @@ class PromptJob:
     prompts: list[PromptInput]
     params: SamplingParams
     chat_template: str | None = None
+    adapters: ServedAdapters | None = None  # --lora-modules, which lines choose from by name
     output_flags = RUN_OUTPUT_FLAGS
     drop_index = False
 
@@ -64,7 +69,7 @@ class PromptJob:
         return len(self.prompts)
 
     def key(self) -> str:
-        return repr([(p.text, p.token_ids) for p in self.prompts])
+        return repr([(p.text, p.token_ids) + ((p.adapter,) if p.adapter else ()) for p in self.prompts])
 
     def check(self, setup) -> None:
         inputs = setup.inputs
@@ -76,6 +81,8 @@ class PromptJob:
         for index, prompt in enumerate(self.prompts):
             try:
                 inputs.encode(prompt.as_llm_input(), index)
+                if prompt.structured_outputs is not None:
+                    inputs.check_params(self.request(index, 0)[1], index)
             except ConfigError as exc:  # name the file and line, not only the index
                 raise ConfigError(f"{prompt.where}: {exc}" if prompt.where else str(exc)) from None
 
@@ -84,7 +91,14 @@ class PromptJob:
 
     def request(self, index: int, engine_seed: int):
         from spmd_engine.engine.llm import request_seed
-        return self.prompts[index].as_llm_input(), replace(self.params, seed=request_seed(engine_seed, index))
+        prompt = self.prompts[index]
+        params = replace(self.params, seed=request_seed(engine_seed, index))
+        if prompt.structured_outputs is not None:  # the line's own constraint
+            params = replace(params, structured_outputs=dict(prompt.structured_outputs))
+        return prompt.as_llm_input(), params
+
+    def lora_request(self, index: int):
+        return self.adapters.for_line(self.prompts[index].adapter) if self.adapters is not None else None
 
     def record(self, index: int, out) -> dict:
         return result_record(index, self.prompts[index], out)
@@ -104,12 +118,14 @@ def generate_records(llm, job, indices: list[int], progress: Progress | None = N
             llm.generate([], SamplingParams())
         return list(ready.values())
     requests = [job.request(i, llm.seed) for i in todo]
+    loras = [job.lora_request(i) for i in todo]
     on_output = None
     if sink is not None:
         def on_output(position, out):
             sink.append(job.record(todo[position], out))
     outs = llm.generate([prompt for prompt, _ in requests], [params for _, params in requests],
-                        progress=progress.update if progress is not None else None, on_output=on_output)
+                        progress=progress.update if progress is not None else None, on_output=on_output,
+                        lora_request=loras if any(loras) else None)
     records = {**ready, **{i: job.record(i, out) for i, out in zip(todo, outs)}}
     return [records[i] for i in sorted(records)]
 

@@ -24,7 +24,7 @@ _COMMON_READ = {
     "model", "stream", "n", "max_tokens", "seed", "stop", "stop_token_ids", "temperature", "top_p", "top_k",
     "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
     "prompt_logprobs", "ignore_eos", "min_tokens", "include_stop_str_in_output", "skip_special_tokens",
-    "allowed_token_ids", "bad_words", "echo", "add_special_tokens"}
+    "allowed_token_ids", "bad_words", "echo", "add_special_tokens", "response_format", "structured_outputs"}
 READ = {
     False: _COMMON_READ | {"prompt"},
     True: _COMMON_READ | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
@@ -44,8 +44,7 @@ ACCEPTED = {False: _COMMON_ACCEPTED,
 _COMMON_REFUSED = {
     "stream_options": _unset,  # vLLM refuses it too without "stream": true
     "use_beam_search": _unset, "watermarking": _unset, "truncate_prompt_tokens": lambda v: v is None,
-    "logprob_token_ids": _unset, "structured_outputs": _unset,
-    "response_format": lambda v: v is None or v == {"type": "text"},
+    "logprob_token_ids": _unset,
     "priority": lambda v: v is None or v == 0, "thinking_token_budget": lambda v: v is None or v == -1,
     "return_tokens_as_token_ids": _unset, "return_token_ids": _unset, "return_weight_versions": _unset,
     "kv_transfer_params": _unset, "ec_transfer_params": _unset, "vllm_xargs": _unset,

@@ -4,7 +4,9 @@ Every line is checked against the model before any process starts (its prompt
 rendered and tokenized, its fields as SamplingParams); a line that fails gets its
 error result there and then, and the run goes on with the others. Requests without
 a seed are seeded by their line's index, as `run` seeds prompts, so the results do
-not depend on the layout.
+not depend on the layout. With --lora-modules a body's "model" chooses the adapter, as
+in vLLM's server: absent or the served model's name is the base model, an adapter's
+name that adapter, any other name vLLM's 404 for that line alone.
 """
 
 from __future__ import annotations
@@ -13,13 +15,15 @@ import hashlib
 from dataclasses import replace
 
 from spmd_engine.config import ConfigError
+from spmd_engine.lora_request import LoRARequest
+from spmd_engine.run.lora_modules import ServedAdapters
 from spmd_engine.run_batch.requests import BadRequest, BatchRequest, completion_prompt, sampling_params
 from spmd_engine.run_batch.responses import error_line, result_line
 
 # Arguments the renderer sets itself: the same names in chat_template_kwargs give way to them.
 RENDER_ARGS = ("messages", "tools", "add_generation_prompt", "continue_final_message")
 BATCH_OUTPUT_FLAGS = ("model", "seed", "dtype", "max_model_len", "pp_partition", "served_model_name",
-                      "logprobs_mode")
+                      "logprobs_mode", "lora_modules", "lora_dtype")
 
 
 class BatchJob:
@@ -27,11 +31,31 @@ class BatchJob:
     drop_index = True  # result lines are OpenAI's objects; the part files' "index" stays there
 
     def __init__(self, requests: list[BatchRequest], data: bytes, created: int, model_name: str,
-                 chat_template: str | None):
+                 chat_template: str | None, adapters: ServedAdapters | None = None):
         self.requests, self.created, self.model_name, self.chat_template = requests, created, model_name, chat_template
         self.digest = hashlib.sha256(data + repr((chat_template, model_name)).encode()).hexdigest()
         self.prompts: dict[int, object] = {}
         self.params = {}
+        self.adapters = adapters or ServedAdapters(model_name)
+        self.loras: dict[int, LoRARequest] = {}
+        self.not_found: set[int] = set()
+        if self.adapters:
+            for index, request in enumerate(requests):
+                self._choose_adapter(index, request)
+
+    def _choose_adapter(self, index: int, request: BatchRequest) -> None:
+        """The adapter the body's "model" names (vLLM's check_model; its 404 otherwise)."""
+        if request.error is not None:
+            return
+        model = request.body.get("model")
+        try:
+            lora = self.adapters.resolve(model)
+        except (KeyError, TypeError):  # a name not served, or not a name at all
+            request.error = f"The model `{model}` does not exist. Valid aliases: {self.adapters.base_name}."
+            self.not_found.add(index)
+            return
+        if lora is not None:
+            self.loras[index] = lora
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -96,7 +120,7 @@ class BatchJob:
         request = self.requests[index]
         if request.error is None:
             return None
-        return error_line(index, request, self._uid(index), request.error)
+        return error_line(index, request, self._uid(index), request.error, not_found=index in self.not_found)
 
     def request(self, index: int, engine_seed: int):
         from spmd_engine.engine.llm import request_seed
@@ -104,6 +128,9 @@ class BatchJob:
         if params.seed is None:
             params = replace(params, seed=request_seed(engine_seed, index))
         return self.prompts[index], params
+
+    def lora_request(self, index: int) -> LoRARequest | None:
+        return self.loras.get(index)
 
     def record(self, index: int, out) -> dict:
         k = self.params[index].logprobs

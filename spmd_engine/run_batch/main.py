@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 from spmd_engine.run.cli_args import UsageParser
+from spmd_engine.run.lora_modules import served_adapters
 from spmd_engine.run.main import add_job_args, check_args, execute
 from spmd_engine.run.main import entry as run_entry
 from spmd_engine.run.prompts import read_chat_template
@@ -34,7 +35,8 @@ def load_job(args) -> BatchJob:
     requests, data = read_requests(args.input_file)
     created = int(os.stat(args.input_file).st_mtime)
     name = args.served_model_name or args.model or "bundled"
-    return BatchJob(requests, data, created, name, read_chat_template(args.chat_template))
+    adapters = served_adapters(args, name)
+    return BatchJob(requests, data, created, name, read_chat_template(args.chat_template), adapters)
 
 
 def main(argv: list[str] | None = None) -> int:

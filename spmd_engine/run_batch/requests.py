@@ -201,6 +201,34 @@ def sampling_params(request: BatchRequest, prompt_len: int, max_model_len: int,
     # echo with max_tokens 0 generates one token and returns none of it, as vLLM
     kwargs["max_tokens"] = min(asked, max_model_len - prompt_len) or 1
     try:
+        kwargs["structured_outputs"] = structured_outputs(body)
         return SamplingParams(n=body.get("n") or 1, **kwargs)
     except ConfigError as exc:
         raise BadRequest(str(exc)) from None
+
+
+def structured_outputs(body: dict) -> dict | None:
+    """OpenAI's `response_format` ({"type": "json_object"}, {"type": "json_schema", "json_schema":
+    {"schema": ...}}; "text" is no constraint) or vLLM's `structured_outputs` object, as the
+    StructuredOutputsParams fields they mean (docs/structured-outputs.md)."""
+    fmt, so = body.get("response_format"), body.get("structured_outputs")
+    if fmt is not None and so is not None:
+        raise BadRequest('"response_format" and "structured_outputs" cannot both be set')
+    if so is not None:
+        if not isinstance(so, dict):
+            raise BadRequest(f'"structured_outputs" must be an object, got {so!r}')
+        return so
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema", spec.get("schema_")) if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise BadRequest('"response_format": {"type": "json_schema"} needs "json_schema": {"schema": {...}}')
+        return {"json": schema}
+    raise BadRequest(f'"response_format" type must be "text", "json_object" or "json_schema", got {fmt!r}')

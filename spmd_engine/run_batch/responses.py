@@ -2,8 +2,8 @@
 
 A result is `{"id", "custom_id", "response": {"status_code", "request_id", "body"},
 "error"}`; its body a `chat.completion` or `text_completion` object with `choices` and
-`usage`, or, for an invalid line (status 400), `{"error": {"message", "type", "param",
-"code"}}` (the top-level "error" then holds the code and message too). Ids and `created`
+`usage`, or, for an invalid line (status 400; 404 for a "model" not served), `{"error":
+{"message", "type", "param", "code"}}` (the top-level "error" then holds the code and message too). Ids and `created`
 come from the job (the input file's digest and modification time), not from a clock or a
 random draw, so a resumed run or another layout writes the same bytes.
 """
@@ -14,11 +14,15 @@ from spmd_engine.run.records import json_logprob
 from spmd_engine.run_batch.requests import BatchRequest
 
 
-def error_line(index: int, request: BatchRequest, uid: str, message: str) -> dict:
-    body = {"error": {"message": message, "type": "BadRequestError", "param": None, "code": 400}}
+def error_line(index: int, request: BatchRequest, uid: str, message: str, not_found: bool = False) -> dict:
+    """A 400 result, or with `not_found` vLLM's 404 for a "model" it does not serve (OpenAI's
+    code for it at the top level)."""
+    status, kind, param, code = (404, "NotFoundError", "model", "model_not_found") if not_found else \
+        (400, "BadRequestError", None, "invalid_request")
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
     return {"index": index, "id": f"batch_req_{uid}", "custom_id": request.custom_id,
-            "response": {"status_code": 400, "request_id": f"req_{uid}", "body": body},
-            "error": {"code": "invalid_request", "message": message}}
+            "response": {"status_code": status, "request_id": f"req_{uid}", "body": body},
+            "error": {"code": code, "message": message}}
 
 
 def result_line(index: int, request: BatchRequest, uid: str, out, model: str, created: int,

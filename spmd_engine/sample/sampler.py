@@ -27,6 +27,7 @@ from spmd_engine.config import LOGPROBS_MODES
 from spmd_engine.model.layers import batch_invariant as bi
 from spmd_engine.model.layers.greedy import greedy_tokens
 from spmd_engine.sample import draw as sample_draw
+from spmd_engine.sample import grammar_mask
 from spmd_engine.sample import logits_processors as procs
 from spmd_engine.sample.penalties import apply_penalties, mask_stop_ids
 from spmd_engine.sampling_params import SamplingParams
@@ -49,7 +50,7 @@ class RequestState:
         p = self.params
         self.plain = (p.greedy and p.logprobs is None and not p.return_sampling_mask and p.allowed_token_ids is None
                       and not p.bad_words and not p.logit_bias and not p.penalized
-                      and not (self.stop_ids and p.min_tokens > 0))
+                      and not (self.stop_ids and p.min_tokens > 0) and p.structured_outputs is None)
 
 
 @dataclass
@@ -100,12 +101,14 @@ class Sampler:
             self.requests[r].num_sampled += 1
         return SamplerOutput(tokens.tolist())
 
-    def sample(self, request_ids: list[str], logits: torch.Tensor, output_index: list[int] | None = None):
+    def sample(self, request_ids: list[str], logits: torch.Tensor, output_index: list[int] | None = None,
+               grammar=None):
         """A SamplerOutput for logits [B, vocab] (the rows of request_ids, in order).
 
         `output_index`: the output position each row samples (the engine passes it from the
         schedule, and feeds the history through `observe`); without it, each call is the next
-        position and the sampled tokens are the history (standalone use)."""
+        position and the sampled tokens are the history (standalone use). `grammar`: the step's
+        GrammarBitmask (structured outputs), applied before any other processing."""
         states = [self.requests[r] for r in request_ids]
         if all(s.plain for s in states):  # each row's argmax, nothing to process or report
             return self.take_greedy(request_ids, greedy_tokens(logits.float()))
@@ -113,7 +116,7 @@ class Sampler:
         if standalone:
             output_index = [s.num_sampled for s in states]
         raw = logits.float()
-        x = self._processed(raw, states, output_index)
+        x = self._processed(raw, states, output_index, _grammar_rows(grammar, request_ids, raw))
         greedy = [i for i, s in enumerate(states) if s.params.greedy]
         rows = [i for i, s in enumerate(states) if not s.params.greedy]
         if not rows:
@@ -151,20 +154,28 @@ class Sampler:
                                      if states[i].params.return_sampling_mask else None for i in range(len(states))]
         return result
 
-    def _processed(self, raw: torch.Tensor, states: list[RequestState], output_index: list[int]) -> torch.Tensor:
-        """allowed_token_ids, bad_words, min_tokens, logit_bias, then penalties, on a copy when
-        any row has one (vLLM's order)."""
+    def _processed(self, raw: torch.Tensor, states: list[RequestState], output_index: list[int],
+                   grammar: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor:
+        """The grammar's mask, allowed_token_ids, bad_words, min_tokens, logit_bias, then
+        penalties, on a copy when any row has one (vLLM's order). min_tokens leaves a row's stop
+        ids alone where its grammar allows nothing else (it can only end)."""
         allowed = [i for i, s in enumerate(states) if s.params.allowed_token_ids is not None]
         banned = {i: procs.banned_by_bad_words(s.params.bad_words_token_ids, s.output_token_ids)
                   for i, s in enumerate(states) if s.params.bad_words_token_ids}
         banned = {i: ids for i, ids in banned.items() if ids}
         under_min = [i for i, s in enumerate(states)
                      if s.stop_ids and output_index[i] < s.params.min_tokens]
+        if grammar is not None:
+            ending = {i for k, i in enumerate(grammar[0]) if i in under_min
+                      and grammar_mask.only_stop_ids(grammar[1][k], states[i].stop_ids)}
+            under_min = [i for i in under_min if i not in ending]
         biased = [i for i, s in enumerate(states) if s.params.logit_bias]
         penalized = [i for i, s in enumerate(states) if s.params.penalized]
-        if not (allowed or banned or under_min or biased or penalized):
+        if not (allowed or banned or under_min or biased or penalized or grammar):
             return raw
         x = raw.clone()
+        if grammar is not None:
+            grammar_mask.apply(x, *grammar)
         if allowed:
             procs.mask_outside_allowed(x, allowed, [states[i].params.allowed_token_ids for i in allowed])
         if banned:
@@ -176,6 +187,20 @@ class Sampler:
         if penalized:
             apply_penalties(x, penalized, [states[i] for i in penalized])
         return x
+
+
+def _grammar_rows(grammar, request_ids: list[str], raw: torch.Tensor):
+    """(batch rows, bool [rows, vocab] allowed ids) of the requests the step's GrammarBitmask
+    constrains; None when it constrains none of them."""
+    if grammar is None or not grammar.request_ids:
+        return None
+    where = {rid: k for k, rid in enumerate(grammar.request_ids)}
+    pairs = [(i, where[rid]) for i, rid in enumerate(request_ids) if rid in where]
+    if not pairs:
+        return None
+    rows = [i for i, _ in pairs]
+    bitmask = grammar.bitmask[[k for _, k in pairs]]
+    return rows, grammar_mask.unpack(bitmask, raw.shape[1], raw.device)
 
 
 def _filters(params: list[SamplingParams]):

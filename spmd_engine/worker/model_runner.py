@@ -59,6 +59,8 @@ class ModelRunner:
         self._pending_routing: dict | None = None
         self.compile_seconds: float | None = None  # start-up compile time of the compiled forward
         self.decode_graphs = None  # decode_graphs.DecodeGraphs on CUDA unless eager
+        self.lora = None  # model/lora/manager.py's LoRAManager with LLM(enable_lora=True)
+        self.lora_of: dict[str, int] = {}  # request id -> its adapter id (0: base)
 
     # -- start-up ---------------------------------------------------------------
     def load_model(self) -> None:
@@ -77,6 +79,10 @@ class ModelRunner:
                          ", ".join(f"{n} for {k}" for k, n in sorted(kernels.items())))
         if mc.enable_return_routed_experts:
             self.model.record_routing()
+        if self.config.lora_config is not None:
+            from spmd_engine.model.lora.manager import LoRAManager
+            self.lora = LoRAManager(self.model, self.config.lora_config, self.device)
+            self.model.lora_state = self.lora.state
         cc = self.config.compilation_config
         if cc.compiled:
             if cc.cache_dir:
@@ -201,9 +207,14 @@ class ModelRunner:
             self.block_tables.pop(rid, None)
             self.prompt_lens.pop(rid, None)
             self.last_sampled.pop(rid, None)
+            self.lora_of.pop(rid, None)
         for new in out.new_requests:
             self.sampler.add_request(new.request_id, new.params, new.seed, new.stop_ids, new.prompt_token_ids)
             self.prompt_lens[new.request_id] = new.num_prompt_tokens
+            if new.lora_int_id:
+                self.lora_of[new.request_id] = new.lora_int_id
+        if out.lora_loads or out.lora_evictions:
+            self._apply_lora_residency(out)
         if not out.seqs:
             if self.config.dp_waves:  # the other replicas run a forward this step: match it
                 self.execute_dummy_batch()
@@ -214,14 +225,19 @@ class ModelRunner:
         intermediate = None
         if not self.pp_group.is_first_rank:
             intermediate = self.pp_group.recv_tensor_dict()
-        step = attn.decode_step() if self.decode_graphs is not None else None
+        lora = self._set_lora_step(out, attn, len(positions))
+        step = attn.decode_step() if self.decode_graphs is not None and not lora else None
         all_logits = None
-        if step is not None and self.decode_graphs.size_for(len(input_ids)) is not None:
-            hidden_states, all_logits = self.decode_graphs.run(input_ids, positions, step)
-            hidden = {"hidden_states": hidden_states}
-        else:
-            hidden = self.model.forward(input_ids if self.pp_group.is_first_rank else None,
-                                        positions, attn, intermediate)
+        try:
+            if step is not None and self.decode_graphs.size_for(len(input_ids)) is not None:
+                hidden_states, all_logits = self.decode_graphs.run(input_ids, positions, step)
+                hidden = {"hidden_states": hidden_states}
+            else:
+                hidden = self.model.forward(input_ids if self.pp_group.is_first_rank else None,
+                                            positions, attn, intermediate)
+        finally:
+            if lora:
+                self.lora.clear_step()
         sampling = [s.request_id for s in out.seqs if s.sample]
         if not self.pp_group.is_last_rank:
             self.pp_group.send_tensor_dict(hidden)
@@ -243,12 +259,51 @@ class ModelRunner:
             self.sampler.observe(s.request_id, s.context_len - self.prompt_lens[s.request_id], s.token_ids)
         outputs_at = [s.context_len + len(s.token_ids) - self.prompt_lens[s.request_id]
                       for s in out.seqs if s.sample]
-        self._pending = (sampling, tokens if tokens is not None else (logits, outputs_at),
+        self._pending = (sampling, tokens if tokens is not None else (logits, outputs_at, out.grammar),
                          self._prompt_logprobs(out, attn, hidden["hidden_states"]))
         if self.routing is not None:
             self._pending_routing = self.routing.record(out.seqs, attn.row_start, attn.slot_mapping,
                                                         hidden["routed_experts"], self.block_tables)
         return None
+
+    # -- LoRA adapters ------------------------------------------------------------------
+    def _apply_lora_residency(self, out: SchedulerOutput) -> None:
+        if self.lora is None:
+            raise RuntimeError(f"step {out.step} carries LoRA adapters and this engine has no enable_lora")
+        for lora_id in out.lora_evictions:
+            self.lora.remove(lora_id)
+        for source in out.lora_loads:
+            self.lora.add(source, replace=True)
+
+    def _set_lora_step(self, out: SchedulerOutput, attn, num_rows: int) -> bool:
+        """Each packed row's adapter for this forward; False when every row is the base model's."""
+        if self.lora is None or not any(self.lora_of.get(s.request_id) for s in out.seqs):
+            return False
+        rows = [0] * num_rows
+        for i, s in enumerate(out.seqs):
+            lora_id = self.lora_of.get(s.request_id, 0)
+            if lora_id:
+                start = attn.row_start[i]
+                rows[start:start + len(s.token_ids)] = [lora_id] * len(s.token_ids)
+        self.lora.set_step(rows)
+        return True
+
+    def add_lora(self, source, replace: bool = False) -> bool:
+        return self._lora_manager().add(source, replace)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self._lora_manager().remove(lora_id)
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return self._lora_manager().pin(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self._lora_manager().list()
+
+    def _lora_manager(self):
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled: start the engine with enable_lora=True")
+        return self.lora
 
     def _fill_placeholders(self, out: SchedulerOutput) -> None:
         """The tokens the previous step sampled, where this step was scheduled before they were
@@ -385,7 +440,7 @@ class ModelRunner:
     def sample_tokens(self) -> ModelRunnerOutput | None:
         if self._pending is None:
             return None
-        request_ids, head, prompt_logprobs = self._pending  # head: (logits, output indices) or greedy tokens
+        request_ids, head, prompt_logprobs = self._pending  # head: (logits, output indices, grammar) or tokens
         self._pending = None
         result = None
         if self.pp_group.is_last_rank:

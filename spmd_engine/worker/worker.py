@@ -178,6 +178,25 @@ class Worker:
         """Another rank's update failed: this rank's tensors must all be written again too."""
         self.model_runner.model.mark_weights_mixed()
 
+    # -- LoRA adapters (engine/lora_adapters.py decides, every rank alike) ------------------
+    def add_lora(self, source, replace: bool = False) -> str | None:
+        """Load this rank's shard of an adapter; the reason it failed, else None (returned, not
+        raised: the engine drops it everywhere and keeps serving the others)."""
+        try:
+            self.model_runner.add_lora(source, replace)
+        except ValueError as exc:
+            return f"rank {self.rank}: {exc}"
+        return None
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.model_runner.remove_lora(lora_id)
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return self.model_runner.pin_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self.model_runner.list_loras()
+
     def determine_num_kv_blocks(self) -> tuple[int, int]:
         """(blocks, bytes per token): this rank's budget in blocks, the minimum over the world."""
         import torch.distributed as dist

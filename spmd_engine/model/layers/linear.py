@@ -39,6 +39,7 @@ class ColumnParallelLinear(nn.Module):
 
     packable_weight = True  # see packed_weights.py
     batch_invariant = False  # CausalLM(batch_invariant=True) sets it: batch_invariant.py's kernels
+    lora = None  # a LinearLoRA when the engine serves adapters (model/lora/)
 
     def __init__(
         self,
@@ -65,7 +66,19 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = (bi.linear if self.batch_invariant else linear)(x, self.weight, self.bias)
+        if self.lora is not None:
+            y = self.lora.apply(x, y)
         return self.group.all_gather(y, dim=-1) if self.gather_output else y
+
+    # ---- LoRA (model/lora/): the adapter's A and B cut as this layer's weight is ----
+    def lora_part_sizes(self) -> list[int]:
+        """This rank's output columns of each part an adapter targets separately."""
+        return [self.output_size_per_rank]
+
+    def lora_shard(self, part, a: Loaded, b: Loaded) -> tuple[torch.Tensor, torch.Tensor]:
+        """All of A ([r, in]); B's rows of this rank's output ([out, r] -> [n, r])."""
+        n = self.output_size_per_rank
+        return read_all(a), read_range(b, 0, self.tp_rank * n, (self.tp_rank + 1) * n)
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id=None) -> None:
         """Rows [rank * n, (rank + 1) * n) of the full weight (or bias)."""
@@ -97,6 +110,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         offset = sum(self.local_sizes[:shard_id])
         shard = read_range(loaded, 0, self.tp_rank * n, (self.tp_rank + 1) * n)
         copy_into(param.data[offset : offset + n], shard)
+
+    def lora_part_sizes(self) -> list[int]:
+        return list(self.local_sizes)
+
+    def lora_shard(self, part: int, a: Loaded, b: Loaded) -> tuple[torch.Tensor, torch.Tensor]:
+        n = self.local_sizes[part]
+        return read_all(a), read_range(b, 0, self.tp_rank * n, (self.tp_rank + 1) * n)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -146,6 +166,18 @@ class QKVParallelLinear(ColumnParallelLinear):
             raise ValueError(f"QKVParallelLinear needs shard_id 'q', 'k' or 'v', got {shard_id!r}")
         copy_into(param.data[offset : offset + size], read_range(loaded, 0, start, start + size))
 
+    def lora_part_sizes(self) -> list[int]:
+        return [self.q_size, self.kv_size, self.kv_size]
+
+    def lora_shard(self, part: int, a: Loaded, b: Loaded) -> tuple[torch.Tensor, torch.Tensor]:
+        """B's rows of this rank's heads: its query heads for q (part 0), its KV head(s) for k
+        and v (replicated like the weight when TP exceeds the KV heads)."""
+        if part == 0:
+            start, size = self.tp_rank * self.q_size, self.q_size
+        else:
+            start, size = self.kv_head_start * self.head_dim, self.kv_size
+        return read_all(a), read_range(b, 0, start, start + size)
+
 
 class RowParallelLinear(nn.Module):
     """y = x W^T + b with W's input columns split over the group.
@@ -157,6 +189,7 @@ class RowParallelLinear(nn.Module):
 
     packable_weight = True
     batch_invariant = False  # a fixed chunked reduction tree instead of the all-reduce
+    lora = None  # a LinearLoRA when the engine serves adapters (model/lora/)
     compile_group = -1  # compiled_layers.register_group's number for `group`, set when layers are compiled
 
     def __init__(self, input_size: int, output_size: int, group, bias: bool = False,
@@ -205,7 +238,17 @@ class RowParallelLinear(nn.Module):
             y = torch.ops.spmd_engine.all_reduce(linear(x, self.weight), self.compile_group)
         else:
             y = self.group.all_reduce(linear(x, self.weight))
-        return y + self.bias if self.bias is not None else y
+        y = y + self.bias if self.bias is not None else y
+        return y if self.lora is None else self.lora.apply(x, y)
+
+    def lora_part_sizes(self) -> list[int]:
+        return [self.output_size]
+
+    def lora_shard(self, part, a: Loaded, b: Loaded) -> tuple[torch.Tensor, torch.Tensor]:
+        """A's columns of this rank's input ([r, in] -> [r, n]); all of B (its rank-r products
+        are summed over the group first: LinearLoRA)."""
+        n = self.input_size_per_rank
+        return read_range(a, 1, self.tp_rank * n, (self.tp_rank + 1) * n), read_all(b)
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id=None) -> None:
         if param.dim() == 1:  # the bias: replicated

@@ -222,7 +222,8 @@ class CausalLM(CausalLMWeights, nn.Module):
             hidden, residual = intermediate["hidden_states"], intermediate["residual"]
         rope = self.model.rotary_emb.cos_sin(positions, hidden.dtype)
         compiled, normed = self.compiled_layers, None
-        if compiled is not None and attn is not None and compiled.applies(attn):
+        lora_on = self.lora_state is not None and self.lora_state.mapping is not None  # eager: rows per adapter
+        if compiled is not None and attn is not None and not lora_on and compiled.applies(attn):
             hidden, residual, normed = compiled.run(rope, hidden, residual, attn)  # normed: the graph's final norm
         else:
             for layer in self.model.layers.values():
@@ -249,6 +250,9 @@ class CausalLM(CausalLMWeights, nn.Module):
             from spmd_engine.model.layers.greedy import greedy_tokens
             return greedy_tokens(self.compute_logits(hidden))
         return self.lm_head.greedy_tokens(hidden)
+
+    # ---- LoRA adapters (model/lora/): their LoRAState, set by the LoRAManager ----
+    lora_state = None
 
     # ---- compiled forward (compilation/compiled_layers.py) ----
     compiled_layers: "CompiledLayers | None" = None

@@ -59,3 +59,31 @@ def test_batch_invariant_trainer_and_engine_logprobs_are_equal_bit_for_bit():
     assert diffs == [0.0] * 4, diffs
     assert versions == ["None", "1", "2", "3"]
     assert curve[-1] > curve[0] + 1.0, curve  # here: 1.06 -> 3.94
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_lora_adapter_pushed_as_tensors_every_step_bit_for_bit():
+    """`--lora 8 --batch-invariant`: the engine's own LoRA layers train a rank-8 adapter, pushed
+    in place as tensors (add_lora(load_inplace=True)) after every step: the trainer's logprobs
+    equal the engine's bit for bit at every step. Control: without the push the engine keeps
+    the first adapter (B = 0) and the two differ from the second step on."""
+    require_reference("peft")
+    curve, diffs, versions = _run(["--batch-invariant", "--lora", "8"])
+    assert diffs == [0.0] * 4, diffs
+    assert versions == ["None", "1", "2", "3"]
+    assert curve[-1] > curve[0] + 0.5, curve  # here: 1.06 -> 2.31
+    _, stale, _ = _run(["--batch-invariant", "--lora", "8", "--no-weight-sync"])
+    assert stale[0] == 0.0 and min(stale[1:]) > 1e-4, stale
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_lora_adapter_trained_by_peft_reaches_the_engine():
+    """`--lora 8`: PEFT's adapter on transformers' model, pushed as verl pushes it (PEFT's own
+    config dict, enums and all): the engine's logprobs follow the trainer's to float rounding."""
+    require_reference("peft")
+    curve, diffs, versions = _run(["--lora", "8"])
+    assert versions == ["None", "1", "2", "3"]
+    assert max(diffs) < 1e-3, diffs
+    assert curve[-1] > curve[0] + 0.5, curve  # here: 1.06 -> 1.94

@@ -77,10 +77,9 @@ def test_defaults_are_vllms_and_the_models():
 
 
 @pytest.mark.parametrize("url, field, value", [
-    (COMPLETIONS, "response_format", {"type": "json_object"}), (CHAT, "response_format", {"type": "json_schema"}),
     (COMPLETIONS, "suffix", "end"), (COMPLETIONS, "tools", [{"type": "function"}]), (COMPLETIONS, "best_of", 3),
     (CHAT, "guided_json", {"type": "object"}), (COMPLETIONS, "guided_choice", ["a"]),
-    (COMPLETIONS, "structured_outputs", {"regex": "a+"}), (CHAT, "use_beam_search", True),
+    (CHAT, "use_beam_search", True),
     (COMPLETIONS, "logprob_token_ids", [1]), (COMPLETIONS, "prompt_embeds", "AAAA"),
     (CHAT, "truncate_prompt_tokens", 5), (CHAT, "reasoning_effort", "low"), (CHAT, "chat_template", "{{ x }}"),
     (COMPLETIONS, "priority", 1),
@@ -193,3 +192,21 @@ def test_top_logprobs_in_vllms_order():
     assert [t["token"] for t in chat["top_logprobs"]] == ["c", "a"]
     completion = job.record(1, out)["response"]["body"]["choices"][0]["logprobs"]
     assert list(completion["top_logprobs"][0]) == ["c", "a"]
+
+
+def test_response_format_and_structured_outputs_become_the_constraint():
+    """OpenAI's response_format and vLLM's structured_outputs body field (docs/structured-outputs.md);
+    a bad one is a 400 naming what is wrong (control: the mapping dropped, each assert fails)."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    so = params(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}).structured_outputs
+    assert (so.kind, so.json) == ("json", schema)
+    assert params(CHAT, response_format={"type": "json_object"}).structured_outputs.json_object is True
+    assert params(response_format={"type": "text"}).structured_outputs is None
+    assert params(structured_outputs={"regex": "a+"}).structured_outputs.regex == "a+"
+    for body, message in ((dict(response_format={"type": "json_schema"}), "needs"),
+                          (dict(response_format={"type": "json_object"}, structured_outputs={"regex": "a"}),
+                           "cannot both be set"),
+                          (dict(structured_outputs={"regex": "a", "choice": ["b"]}), "only one constraint"),
+                          (dict(response_format={"type": "yaml"}), '"response_format" type must be')):
+        with pytest.raises(BadRequest, match=message):
+            params(CHAT, **body)
