@@ -1,3 +1,7 @@
-from spmd_engine.run.main import entry
+from spmd_engine.run.stop_guard import start as start_stop_guard
+
+start_stop_guard()  # before torch is imported: a rank stopped for good must not hold the job
+
+from spmd_engine.run.main import entry  # noqa: E402
 
 entry()

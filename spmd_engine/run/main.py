@@ -221,6 +221,8 @@ def entry(main_function=None) -> None:
     """Console-script entry (of run, or of run_batch's `main_function`); torchrun's @record
     writes the root cause to its error file."""
     main_function = main_function or main
+    from spmd_engine.run.stop_guard import start as start_stop_guard
+    start_stop_guard()  # console scripts: python -m started it already, before torch
     try:
         from torch.distributed.elastic.multiprocessing.errors import record
     except ImportError:  # pragma: no cover
