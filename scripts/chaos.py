@@ -6,6 +6,9 @@ Each trial runs `python -m spmd_engine.run` on the bundled model, under torchrun
 
 - kill:  SIGKILL of a random rank (torchrun) or mp worker, at a random moment;
 - stop:  SIGSTOP of one for longer than --timeout (a hang), then SIGCONT;
+- stopforever: SIGSTOP of one, never continued (a rank hung for good, issue 55), half the
+         time in the first seconds of the ranks' lives (import, rendezvous, groups, load),
+         half at a random moment of the job;
 - term:  SIGTERM of the whole job, then the same command with --resume;
 - disk:  the job's file size limit (RLIMIT_FSIZE, SIGXFSZ ignored) set so part-file writes
          fail with EFBIG mid-run, as on a full disk; then room again and --resume;
@@ -16,7 +19,8 @@ Each trial runs `python -m spmd_engine.run` on the bundled model, under torchrun
 After a failed attempt the trial reruns with --resume (as a person or SLURM would), at most
 MAX_ATTEMPTS times. Checks: every attempt ends within `bound` (from --timeout); the final
 file is byte-identical to the unfaulted reference; no process of the trial (its tag in the
-environment), so no port, and no /dev/shm name it made is left. One line per trial, then
+environment), so no port, and no /dev/shm name it made is left: a process still there when
+an attempt's launcher has exited is a leak, even though it is then killed. One line per trial, then
 `trials, survived, identical, leaks, worst recovery time`; the seed replays a trial.
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/chaos.py --trials 50 --seed 1
@@ -41,7 +45,8 @@ sys.path.insert(0, str(REPO / "tests" / "helpers"))
 from launch import PYTHON, _reap, base_env, scratch_tmpdir, tagged_pids, with_tmpdir  # noqa: E402
 
 PROMPTS = ["Beautiful is", "Explicit is", "Simple is", "Complex is", "Flat is", "Sparse is"]
-FAULTS = ("kill", "stop", "term", "disk", "shm")
+FAULTS = ("kill", "stop", "stopforever", "term", "disk", "shm")
+EARLY_S = 4.0  # "the first seconds of a rank's life": a stop-forever drawn early lands this soon after the ranks appear
 MAX_ATTEMPTS = 4
 START_ALLOWANCE_S = 90.0  # python, torch and the model on a loaded 2-core machine
 
@@ -57,17 +62,22 @@ def job_command(launcher: str, prompts: Path, out: Path, args) -> list[str]:
 
 
 def targets(tag: str, root: int) -> list[int]:
-    """The ranks (torchrun workers) or mp workers of a job: its tagged processes below the root."""
+    """The ranks (torchrun's workers: the agent's children) or mp workers of a job; not what
+    a rank starts itself (its stop guard, a compiler), whose faults are not a rank's."""
     found = []
+    try:
+        agent = b"torch.distributed.run" in Path(f"/proc/{root}/cmdline").read_bytes()
+    except OSError:
+        return found
     for pid in tagged_pids(tag):
         if pid == root:
             continue
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-            env = Path(f"/proc/{pid}/environ").read_bytes()
-        except OSError:
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
             continue
-        if b"spawn_main" in cmd or (b"\0RANK=" in b"\0" + env and b"torch.distributed.run" not in cmd):
+        if b"spawn_main" in cmd or (agent and ppid == root):
             found.append(pid)
     return found
 
@@ -79,9 +89,9 @@ def limit_file_size(limit: int):
     return apply
 
 
-def attempt(cmd, tag, faults, rng, args, bound, seen: set[int]) -> tuple[int | None, float, str]:
+def attempt(cmd, tag, faults, rng, args, bound, seen: set[int]) -> tuple[int | None, float, str, list[int]]:
     """One run of the job with `faults` injected at random moments; (rc or None if over
-    the bound, seconds, stderr tail)."""
+    the bound, seconds, stderr tail, pids still there after the launcher exited)."""
     limit = rng.randrange(300, 1500) if "disk" in faults else None
     with tempfile.TemporaryFile("w+") as err, scratch_tmpdir(tag) as scratch:
         start = time.monotonic()
@@ -89,10 +99,18 @@ def attempt(cmd, tag, faults, rng, args, bound, seen: set[int]) -> tuple[int | N
                                 text=True, start_new_session=True,
                                 preexec_fn=limit_file_size(limit) if limit else None)
         plan = sorted((rng.uniform(2.0, 14.0), f) for f in faults if f in ("kill", "stop", "term"))
+        early = None  # a stop-forever in the ranks' first seconds: the delay after they appear
+        if "stopforever" in faults:
+            if rng.random() < 0.5:
+                early = rng.uniform(0.0, EARLY_S)
+            else:
+                plan = sorted(plan + [(rng.uniform(2.0, 14.0), "stopforever")])
         stopped: list[tuple[float, int]] = []
         while proc.poll() is None and time.monotonic() - start < bound:
             seen.update(tagged_pids(tag))
             now = time.monotonic() - start
+            if early is not None and targets(tag, proc.pid):
+                plan, early = sorted(plan + [(now + early, "stopforever")]), None
             while plan and plan[0][0] <= now:
                 _, fault = plan.pop(0)
                 pool = targets(tag, proc.pid)
@@ -100,7 +118,7 @@ def attempt(cmd, tag, faults, rng, args, bound, seen: set[int]) -> tuple[int | N
                     os.kill(proc.pid, signal.SIGTERM)
                 elif pool:
                     victim = rng.choice(pool)
-                    os.kill(victim, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+                    os.kill(victim, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)  # stopforever: no SIGCONT
                     if fault == "stop":
                         stopped.append((now + args.timeout + 3, victim))
             for when, pid in [s for s in stopped if s[0] <= now]:
@@ -113,9 +131,9 @@ def attempt(cmd, tag, faults, rng, args, bound, seen: set[int]) -> tuple[int | N
         if rc is None:
             _signal(-proc.pid, signal.SIGKILL)
         proc.wait()
-        _reap(tag, grace_s=5.0)
+        left = _reap(tag, grace_s=5.0)
         err.seek(0)
-        return rc, time.monotonic() - start, err.read()[-300:].strip().replace("\n", " | ")
+        return rc, time.monotonic() - start, err.read()[-300:].strip().replace("\n", " | "), left
 
 
 def _signal(pid: int, sig) -> None:
@@ -152,12 +170,13 @@ def trial(index: int, seed: int, launcher_choice: str, reference: bytes, work: P
     tag = f"chaos-{uuid.uuid4().hex[:10]}"
     shm_before = shm_names()
     planted = plant_shm(rng) if "shm" in faults else []
-    start, rcs, over, note, seen = time.monotonic(), [], False, "", set()
+    start, rcs, over, note, seen, left_behind = time.monotonic(), [], False, "", set(), []
     try:
         pending = faults
         for n in range(MAX_ATTEMPTS):
-            rc, took, note = attempt(cmd + (["--resume"] if n else []), tag, pending, rng, args, bound, seen)
+            rc, took, note, left = attempt(cmd + (["--resume"] if n else []), tag, pending, rng, args, bound, seen)
             rcs.append(rc)
+            left_behind += left
             over |= rc is None
             if rc == 0:
                 break
@@ -166,7 +185,7 @@ def trial(index: int, seed: int, launcher_choice: str, reference: bytes, work: P
     finally:
         for p in planted:
             p.unlink(missing_ok=True)
-    left_pids = tagged_pids(tag)
+    left_pids = left_behind + tagged_pids(tag)
     # Other jobs share /dev/shm: only names carrying a pid of this trial count (spmd_*_<pid>_<token>).
     left_shm = sorted(n for n in shm_names() - shm_before
                       if n.startswith("spmd") and any(f"_{pid}_" in n for pid in seen))
