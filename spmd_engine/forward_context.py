@@ -40,3 +40,23 @@ def attn_metadata():
     if _attn is None:
         raise RuntimeError("spmd_engine::attention ran outside forward_context.set_forward_context")
     return _attn
+
+
+_lora_chunk: list = []  # the LoRA layers of the compiled chunk running now, in chunk order
+
+
+@contextlib.contextmanager
+def set_lora_chunk(layers: list):
+    """The LoRA layers (model/lora/linear_lora.py) a compiled chunk's `spmd_engine::lora` ops
+    refer to by position: a graph serves every chunk of its length, so it names a layer by its
+    place in the chunk, and the chunk running now says which layer that is."""
+    global _lora_chunk
+    previous, _lora_chunk = _lora_chunk, layers
+    try:
+        yield
+    finally:
+        _lora_chunk = previous
+
+
+def lora_chunk() -> list:
+    return _lora_chunk

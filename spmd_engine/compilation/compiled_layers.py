@@ -62,7 +62,7 @@ import torch
 
 from spmd_engine.compilation import precompiled
 from spmd_engine.compilation.chunk_program import ChunkProgram
-from spmd_engine.forward_context import COMPILED, set_forward_context
+from spmd_engine.forward_context import COMPILED, set_forward_context, set_lora_chunk
 from spmd_engine.kernels.packed_weights import eager_linear
 
 logger = logging.getLogger("spmd_engine")
@@ -166,6 +166,14 @@ class CompiledLayers:
         self.model_ref = weakref.ref(model)
         self.backend, self.mode = backend, mode
         self.chunks = chunks(list(model.model.layers.values()), layers_per_graph)
+        # Each chunk's LoRA layers (model/lora/), numbered by their place in the chunk: its
+        # graph's `spmd_engine::lora` ops name them so (forward_context.set_lora_chunk).
+        self.chunk_loras = [[m.lora for layer in chunk for m in layer.modules() if getattr(m, "lora", None)]
+                            for chunk in self.chunks]
+        for loras in self.chunk_loras:
+            for position, lora in enumerate(loras):
+                lora.chunk_position = position
+        self.lora = any(self.chunk_loras)
         self.norm = model.model.norm  # the last stage's final norm, fused into its graphs; else None
         self.ahead = precompiled.applies(backend, model.device)
         # Decode graphs trace attention, its in-place cache write included: on CPU the compiled
@@ -235,17 +243,19 @@ class CompiledLayers:
                     torch._dynamo.maybe_mark_dynamic(t, 0)
                 if decode is not None:
                     torch._dynamo.maybe_mark_dynamic(decode[1], 1)  # the block tables
-                for chunk in self.chunks:
-                    hidden, residual, *normed = self.fn(chunk, cos, sin, hidden, residual, decode, self.norm)
+                for chunk, loras in zip(self.chunks, self.chunk_loras):
+                    with set_lora_chunk(loras):
+                        hidden, residual, *normed = self.fn(chunk, cos, sin, hidden, residual, decode, self.norm)
                 return hidden, residual, (normed or [None])[0]
             kind = (hidden.shape[0] == 1, decode is not None)
-            for chunk, program in zip(self.chunks, self.programs):
+            for chunk, program, loras in zip(self.chunks, self.programs, self.chunk_loras):
                 package = self.built.get((len(chunk), *kind)) or self._build(program, cos, sin, hidden, residual,
                                                                               decode, *kind)
                 flat = program.flat_inputs(cos, sin, hidden, residual, decode)
                 if package.accepts(flat):
                     package.remember(flat, program.leading)
-                    hidden, residual, *normed = package(flat)
+                    with set_lora_chunk(loras):
+                        hidden, residual, *normed = package(flat)
                 else:
                     hidden, residual = self._eager(chunk, cos, sin, hidden, residual, attn)
                     normed = []  # the eager caller norms

@@ -19,7 +19,8 @@ A package carries no guards on the code it came from, so a file's name is a dige
 that decides the graph: torch's and Python's versions, the CPU's instruction set and the thread
 count (baked into the kernels' OpenMP loops), the source the graph is traced from (the model,
 the compiler, the kernels: GRAPH_SOURCES), the model's shape facts, dtype, device, TP size and group numbers, which weights are packed, whether the stage
-ends in the final norm (the last pipeline stage's graphs return it too), the chunk's length,
+ends in the final norm (the last pipeline stage's graphs return it too), how many LoRA layers a
+layer carries (their `spmd_engine::lora` ops are in the graph), the chunk's length,
 the graph's kind (one token or more, decode or general), backend and mode. Any change is another
 file. What the package needs of its inputs (dtype, rank, fixed sizes, contiguity, the token
 count: >= 2, or exactly 1 for the one-token graph) is written into its metadata and checked
@@ -94,10 +95,11 @@ def digest(model, chunk_length: int, backend: str, mode: str | None, single: boo
     packed = tuple(layout(m.weight) for m in first.modules() if getattr(m, "packable_weight", False))
     kernel = decode and decode_attention.usable(model.device)  # the graph calls the kernel's op
     groups = tuple(m.compile_group for m in model.modules() if hasattr(m, "compile_group"))  # row-parallel linears
+    lora = sum(getattr(m, "lora", None) is not None for m in first.modules())  # the graph's LoRA ops
     facts = ("aoti", torch.__version__, sys.version, platform.machine(), torch.backends.cpu.get_cpu_capability(),
              torch.get_num_threads(), _source_digest(), repr(model.spec), str(model.dtype), model.device.type,
              model.tp_group.world_size, groups, packed, chunk_length, backend, mode, single, decode, kernel,
-             model.model.norm is not None)  # the last stage's graphs end in the final norm
+             model.model.norm is not None, lora)  # the last stage's graphs end in the final norm
     return hashlib.sha256(repr(facts).encode()).hexdigest()[:32]
 
 

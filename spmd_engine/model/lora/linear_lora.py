@@ -18,19 +18,24 @@ added back element by element, so a token's result depends on that token alone.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from spmd_engine import forward_context
 from spmd_engine.model.layers import batch_invariant as bi
+from spmd_engine.model.lora.stacked import StackPlan, stacked_delta
 
 
 @dataclass
 class StepMapping:
-    """(slot, rows) for each adapter in this forward; rows None: every row of the step."""
+    """(slot, rows) for each adapter in this forward; rows None: every row of the step.
+    `stack`: with several adapters, how their rows are laid out for one batched product."""
 
     groups: list[tuple[int, torch.Tensor | None]]
+    stack: StackPlan | None = None
 
 
 class LoRAState:
@@ -58,6 +63,21 @@ class SlotWeights:
             rows.append(F.pad(b, (before, total - before - b.shape[1])) if b.shape[1] != total else b)
             before += b.shape[1]
         self.b = torch.cat(rows) if len(rows) > 1 else rows[0]
+        self.version = next(_versions)  # names these weights in a cache (an id() may be reused)
+        self._fast: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def fast(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A^T, B^T) for the default mode's products: on CPU a half-precision adapter's in fp32,
+        where products this small run faster than in bf16 (no AMX needed)."""
+        if self._fast is None:
+            a, b = self.a, self.b
+            if a.device.type == "cpu" and a.dtype in (torch.bfloat16, torch.float16):
+                a, b = a.float(), b.float()
+            self._fast = (a.t().contiguous(), b.t().contiguous())
+        return self._fast
+
+
+_versions = itertools.count()
 
 
 class LinearLoRA:
@@ -70,14 +90,27 @@ class LinearLoRA:
         self.slots: list[SlotWeights | None] = [None] * max_loras
         self.row_group = group
         self.batch_invariant = batch_invariant
+        self.stack_cache: tuple | None = None  # stacked.py's weights of the last set of adapters
+
+    chunk_position = -1  # its place in its compiled chunk (compilation/compiled_layers.py)
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y plus this step's adapters' products on their rows. Traced into a compiled graph as
+        one opaque op: which rows use which adapter changes every step and is no graph input."""
+        if torch.compiler.is_compiling():
+            return torch.ops.spmd_engine.lora(x, y, self.chunk_position)
+        return self.apply_eager(x, y)
+
+    def apply_eager(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         mapping = self.state.mapping
         if mapping is None:
             return y
         lead = y.shape[:-1]
         rows_x = x.reshape(-1, x.shape[-1])
         out = y.reshape(-1, y.shape[-1])
+        if mapping.stack is not None and not self.batch_invariant:  # several adapters: one batched product
+            rows, delta = stacked_delta(self, rows_x, mapping)
+            return out.index_add(0, rows, delta.to(out.dtype)).view(*lead, out.shape[-1])
         for slot, rows in mapping.groups:
             weights = self.slots[slot]
             if weights is None:
@@ -89,14 +122,35 @@ class LinearLoRA:
         return out.view(*lead, out.shape[-1])
 
     def _delta(self, xs: torch.Tensor, weights: SlotWeights) -> torch.Tensor:
-        linear = bi.linear if self.batch_invariant else F.linear
-        return linear(self._shrink(xs.to(weights.a.dtype), weights.a), weights.b).to(xs.dtype)
+        if self.batch_invariant:
+            return bi.linear(self._shrink(xs.to(weights.a.dtype), weights.a), weights.b).to(xs.dtype)
+        at, bt = weights.fast()
+        return torch.mm(self.reduce(torch.mm(xs.to(at.dtype), at)), bt).to(xs.dtype)
+
+    def reduce(self, shrunk: torch.Tensor) -> torch.Tensor:
+        """A row-parallel layer's rank-r products summed over its group (default mode)."""
+        group = self.row_group
+        return group.all_reduce(shrunk) if group is not None and group.world_size > 1 else shrunk
 
     def _shrink(self, xs: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-        """x A^T; a row-parallel layer's summed over its group, in batch-invariant mode by the
+        """Batch-invariant mode's x A^T; a row-parallel layer's summed over its group by the
         fixed tree its base weight uses (the same bits at every TP size, the trainer's too)."""
         group = self.row_group
-        if self.batch_invariant:
-            return bi.linear(xs, a) if group is None else bi.row_parallel_linear(xs, a, group)
-        shrunk = F.linear(xs, a)
-        return group.all_reduce(shrunk) if group is not None and group.world_size > 1 else shrunk
+        return bi.linear(xs, a) if group is None else bi.row_parallel_linear(xs, a, group)
+
+
+_lib = torch.library.Library("spmd_engine", "FRAGMENT")  # the op lives as long as the process
+_lib.define("lora(Tensor x, Tensor y, int position) -> Tensor")
+
+
+def _lora_op(x, y, position):
+    out = forward_context.lora_chunk()[position].apply_eager(x, y)
+    return out.clone() if out.data_ptr() == y.data_ptr() else out  # an op's output never aliases its input
+
+
+_lib.impl("lora", _lora_op, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("spmd_engine::lora")
+def _lora_fake(x, y, position):
+    return torch.empty_like(y)

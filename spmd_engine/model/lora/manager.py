@@ -19,6 +19,7 @@ from spmd_engine.core.step_messages import AdapterSource
 from spmd_engine.model.layers.linear import RowParallelLinear
 from spmd_engine.model.lora.linear_lora import LinearLoRA, LoRAState, SlotWeights, StepMapping
 from spmd_engine.model.lora.peft_files import LoRAAdapterError, read_adapter
+from spmd_engine.model.lora.stacked import plan
 
 # HF module name -> (our layer's attribute path inside a decoder layer, the part it fills)
 _TARGETS = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1),
@@ -125,7 +126,7 @@ class LoRAManager:
         for lora_id in ids:
             rows = (index == lora_id).nonzero().flatten()
             groups.append((slot_of[lora_id], None if len(rows) == len(token_adapters) else rows.to(self.device)))
-        self.state.mapping = StepMapping(groups)
+        self.state.mapping = StepMapping(groups, stack=plan(groups, self.device) if len(groups) > 1 else None)
 
     def clear_step(self) -> None:
         self.state.mapping = None

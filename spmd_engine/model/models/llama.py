@@ -222,7 +222,9 @@ class CausalLM(CausalLMWeights, nn.Module):
             hidden, residual = intermediate["hidden_states"], intermediate["residual"]
         rope = self.model.rotary_emb.cos_sin(positions, hidden.dtype)
         compiled, normed = self.compiled_layers, None
-        lora_on = self.lora_state is not None and self.lora_state.mapping is not None  # eager: rows per adapter
+        # A compiled model built without its LoRA layers cannot serve a step with adapters.
+        lora_on = self.lora_state is not None and self.lora_state.mapping is not None and not compiled.lora \
+            if compiled is not None else False
         if compiled is not None and attn is not None and not lora_on and compiled.applies(attn):
             hidden, residual, normed = compiled.run(rope, hidden, residual, attn)  # normed: the graph's final norm
         else:

@@ -254,3 +254,19 @@ def test_adapters_survive_sleep_and_wake(adapters):
         assert [t for t, _ in run(llm, [a, None])] == [t for t, _ in before]
         assert llm.llm_engine.list_loras() == {1}
     llm.shutdown()
+
+
+@pytest.mark.slow
+def test_the_compiled_forward_serves_adapters_as_eager_does(adapters):
+    """bf16, the compiled forward (LoRA products as one opaque op in each graph, the graphs
+    shared by every chunk): the same tokens as the same engine eager, for a mixed batch and
+    one adapter alone; and an engine without LoRA does not take its graphs (they differ)."""
+    requests = [None, LoRARequest("all", 1, str(adapters["all"])), LoRARequest("rs", 2, str(adapters["rs"]))]
+    got = {}
+    for eager in (True, False):
+        llm = engine(dtype="bfloat16", enforce_eager=eager)
+        got[eager] = ([t for t, _ in run(llm, requests)], run(llm, [requests[1]])[0][0])
+        if not eager:
+            assert llm.llm_engine.engine_core.executor.collective_rpc("get_runner_stats")[0]["compiled_graphs"] > 0
+        llm.shutdown()
+    assert got[False] == got[True]
