@@ -42,7 +42,8 @@ class LLM:
                  admission: str = "identical", batch_invariant: bool | None = None,
                  enforce_eager: bool | None = None, compilation_config=None, max_logprobs: int = 20,
                  generation_config: str = "auto", override_generation_config: dict | None = None,
-                 chat_template: str | None = None, skip_tokenizer_init: bool = False, **vllm_kwargs):
+                 chat_template: str | None = None, skip_tokenizer_init: bool = False,
+                 weight_transfer_config=None, **vllm_kwargs):
         """vLLM's arguments, defaults and meanings (docs/vllm-compatibility.md lists each). `seed` is
         the engine seed (None: 0, as in vLLM): requests without their own seed draw from a stream
         it starts, fresh on every generate call; under external_launcher it must be the same on
@@ -78,8 +79,11 @@ class LLM:
             skip_tokenizer_init=skip_tokenizer_init, **vllm_kwargs)
         from spmd_engine.engine.chat_template import load_chat_template
         template = load_chat_template(chat_template)
+        from spmd_engine.distributed.weight_transfer.config import WeightTransferConfig
+        transfer = WeightTransferConfig.of(weight_transfer_config)  # checked before any process starts
         self._start(engine_args.create_engine_config(), engine_args.enable_sleep_mode, engine_args.admission)
         self.chat_template = template
+        self._transfer.config = transfer
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "LLM":
@@ -110,6 +114,8 @@ class LLM:
         # LLM alive through this reference).
         self._llm_engine.front_end = self
         self._engine = self._llm_engine._client
+        from spmd_engine.engine.weight_transfer import WeightTransferFrontEnd
+        self._transfer = WeightTransferFrontEnd(self._llm_engine, None)
 
     @property
     def seed(self) -> int:
@@ -352,6 +358,23 @@ class LLM:
         first rank's reason): then generate refuses until an update that writes every tensor
         completes. `weight_version` names the new weights (None keeps the last name)."""
         self._llm_engine.finish_weight_update(weight_version)
+
+    # -- weight transfer from a trainer job (engine/weight_transfer.py), vLLM 0.34's four phases --
+    def init_weight_transfer_engine(self, request) -> None:
+        """Join the trainer's transfer group on every worker: `{"init_info": {"master_address",
+        "master_port", "world_size", "rank_offset", ...}}` (docs/weight-transfer.md). Needs
+        `LLM(weight_transfer_config=...)`; refused while a trainer is connected."""
+        self._transfer.init(request)
+
+    def update_weights(self, request) -> None:
+        """Receive one update from the trainer (`{"update_info": {"names", "dtype_names", "shapes"}}`,
+        or empty lists: the trainer's own manifest), between start_weight_update and
+        finish_weight_update; a refused or broken transfer fails the update on every rank."""
+        self._transfer.update(request)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        """Leave the trainer's transfer group (not during an update); inference goes on."""
+        self._transfer.shutdown()
 
     def get_weight_version(self) -> int | str:
         """The last completed update's version ("default" before any, as vLLM)."""

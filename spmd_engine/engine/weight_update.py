@@ -36,6 +36,11 @@ class WeightUpdates:
         self._engine.collective_rpc("start_weight_update")
         self._started, self._front_end_error = True, None
 
+    @property
+    def in_progress(self) -> bool:
+        """Between start and finish (update_weights of a weight transfer belongs there)."""
+        return self._started
+
     def note_load_error(self, exc: BaseException) -> None:
         """A load_weights call that failed in this process (checked before any worker ran it)."""
         if self._started and self._front_end_error is None:

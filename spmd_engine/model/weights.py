@@ -146,6 +146,12 @@ class CausalLMWeights:
         """An update starts: loads are watched until end_update."""
         self._update_in_progress, self._update_error = True, None
 
+    def note_update_error(self, reason: str) -> None:
+        """A load that failed outside update_weights (a weight transfer that broke or was
+        refused): the update in progress cannot complete, as with a failed load_weights."""
+        if self._update_in_progress and self._update_error is None:
+            self._update_error = reason
+
     def end_update(self) -> str | None:
         """Close the update; the reason this rank cannot serve it (a failed load, or tensors
         without a value: left out of a recovery or of a restore after sleep), or None. On any

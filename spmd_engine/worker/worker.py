@@ -178,6 +178,25 @@ class Worker:
         """Another rank's update failed: this rank's tensors must all be written again too."""
         self.model_runner.model.mark_weights_mixed()
 
+    # -- weight transfer from a trainer job (worker/weight_transfer.py; vLLM's names) -------
+    @property
+    def _transfer(self):
+        if getattr(self, "_weight_transfer", None) is None:
+            from spmd_engine.worker.weight_transfer import WorkerWeightTransfer
+            self._weight_transfer = WorkerWeightTransfer()
+        return self._weight_transfer
+
+    def init_weight_transfer_engine(self, init_info: dict) -> str | None:
+        """Join the trainer's transfer group; the reason it failed, else None."""
+        return self._transfer.init(self, init_info)
+
+    def update_weights(self, update_info: dict | None = None) -> str | None:
+        """Receive one update from the trainer into this rank's shard; the reason it failed, else None."""
+        return self._transfer.update(self, update_info)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._transfer.shutdown()
+
     # -- LoRA adapters (engine/lora_adapters.py decides, every rank alike) ------------------
     def add_lora(self, source, replace: bool = False) -> str | None:
         """Load this rank's shard of an adapter; the reason it failed, else None (returned, not
@@ -294,6 +313,7 @@ class Worker:
 
     def shutdown(self) -> None:
         from spmd_engine.distributed import destroy_distributed_environment
+        self.shutdown_weight_transfer_engine()
         self.model_runner = None
         if self.device.type == "cuda":
             # The weights, cache and graphs back to the device, not kept by torch's allocator: a

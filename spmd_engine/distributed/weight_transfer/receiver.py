@@ -1,0 +1,120 @@
+"""An engine rank's side of the transfer: join the trainer's group, then per update receive
+the manifest, check it, and apply the buckets as they arrive.
+
+Every engine rank receives the whole stream and keeps its own TP / PP / EP shard: `apply`
+is the model's in-place update of full HF-named tensors (the same path as load_weights), so
+a bucket's tensors are copied into this rank's shard and the bucket is reused. Nothing here
+knows the model: the worker passes `check(manifest) -> reason | None` and `apply(pairs)`.
+A failed group (a peer died or hung) refuses every later update until a new init.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spmd_engine.distributed.weight_transfer.config import TransferInitInfo, TransferUpdateInfo
+from spmd_engine.distributed.weight_transfer.group import TransferError, TransferGroup, join_store
+from spmd_engine.distributed.weight_transfer.packing import MAX_MANIFEST_BYTES, Manifest, Unpacker
+
+
+class WeightReceiver:
+    def __init__(self, info: TransferInitInfo, engine_rank: int, device: torch.device):
+        self.info = info
+        rank = info.group_rank(engine_rank)
+        dev = device if info.backend == "nccl" else torch.device("cpu")
+        store = join_store(info.master_address, info.master_port, info.timeout_s)
+        self.group = TransferGroup(store, rank, info.world_size, info.timeout_s, dev)
+        self.device = device
+
+    @property
+    def failed(self) -> str | None:
+        return self.group.failed if self.group is not None else "shut down"
+
+    def receive(self, update_info: TransferUpdateInfo, check, apply) -> int:
+        """One update; returns the number of tensors applied. A refused manifest is a ValueError
+        naming the reason (the group stays usable); a failed group a TransferError."""
+        manifest = Manifest.decode(self.group.recv_bytes(MAX_MANIFEST_BYTES, "receiving the manifest"))
+        error = _against_update_info(manifest, update_info) or check(manifest)
+        segment = None
+        if error is None and manifest.shm is not None:
+            segment, error = _attach(manifest.shm)
+        verdict = self.group.agree(error, "the manifest check")
+        if verdict:
+            if segment is not None:
+                segment.close()
+            raise ValueError(f"weight update refused: {verdict}")
+        unpack = Unpacker(manifest, self.device)
+        failure: str | None = None
+        applied = 0
+
+        def consume(k: int, bucket: torch.Tensor) -> None:
+            nonlocal failure, applied
+            pairs = unpack.feed(k, bucket)
+            if failure is None and pairs:
+                try:
+                    apply(pairs)
+                    applied += len(pairs)
+                except Exception as exc:  # keep receiving: the trainer learns it at the end
+                    failure = f"{type(exc).__name__}: {exc}"
+        try:
+            if segment is not None:
+                shared = torch.frombuffer(segment.mm, dtype=torch.uint8)
+                for k in range(len(unpack.plan)):
+                    index = torch.zeros(1, dtype=torch.int64)
+                    self.group.broadcast(index, f"bucket {k} ready")
+                    if int(index) != k:
+                        raise TransferError(f"bucket {int(index)} announced where {k} was due")
+                    consume(k, shared.to(self.device) if self.device.type != "cpu" else shared)
+                    verdict = self.group.agree(failure, f"bucket {k} read")
+                    if verdict:
+                        raise TransferError(f"weight update failed: {verdict}")
+                del shared
+            else:
+                # Two buffers: bucket k+1 arrives while bucket k is applied.
+                plan = unpack.plan
+                buffers = [torch.empty(manifest.bucket_bytes, dtype=torch.uint8, device=self.group.device)
+                           for _ in range(min(2, len(plan)))]
+                used = [pieces[-1].bucket_offset + pieces[-1].length for pieces in plan]
+                works = [self.group.broadcast_async(buffers[0][:used[0]], "bucket 0")] if plan else []
+                for k in range(len(plan)):
+                    if k + 1 < len(plan):
+                        works.append(self.group.broadcast_async(buffers[(k + 1) % 2][:used[k + 1]], f"bucket {k + 1}"))
+                    self.group.wait(works[k], f"bucket {k}")
+                    consume(k, buffers[k % 2][:used[k]])
+            verdict = self.group.agree(failure, "applying the weights")
+        finally:
+            if segment is not None:
+                segment.close()
+        if verdict:
+            raise TransferError(f"weight update failed: {verdict}")
+        return applied
+
+    def close(self) -> None:
+        group, self.group = self.group, None
+        if group is not None:
+            group.close()
+
+
+def _against_update_info(manifest: Manifest, info: TransferUpdateInfo) -> str | None:
+    """The trainer's manifest must be the update the engine was told to expect (when told)."""
+    if not info.names:
+        return None
+    expected = list(zip(info.names, info.dtype_names, [list(s) for s in info.shapes]))
+    got = list(zip(manifest.names, manifest.dtype_names, manifest.shapes))
+    for i, (want, have) in enumerate(zip(expected, got)):
+        if want != have:
+            return (f"tensor {i} is {have[0]} {have[1]} {have[2]} from the trainer, but update_info says "
+                    f"{want[0]} {want[1]} {want[2]}")
+    if len(expected) != len(got):
+        return f"the trainer sends {len(got)} tensors, update_info names {len(expected)}"
+    return None
+
+
+def _attach(ref: dict):
+    from spmd_engine.distributed.shm.segment import Segment, SegmentRef
+    try:
+        return Segment.attach(SegmentRef(str(ref["name"]), int(ref["size"]), int(ref["creator_pid"]),
+                                         None if ref["fd"] is None else int(ref["fd"]))), None
+    except (OSError, ValueError, TypeError) as exc:
+        return None, (f"cannot map the trainer's shared memory ({exc}): the ipc backend needs the trainer on "
+                      f"this node, as the same user")

@@ -1,0 +1,105 @@
+"""The weight transfer's pure parts: the bucket plan and its packing round trip (tensors larger
+than a bucket, straddling two, empty streams), the manifest's JSON and its checks, and the
+init / update info a peer sends (every bad field named, before anything connects)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spmd_engine.distributed.weight_transfer.config import (
+    TransferInitInfo,
+    TransferUpdateInfo,
+    WeightTransferConfig,
+)
+from spmd_engine.distributed.weight_transfer.packing import ALIGN, Manifest, Unpacker, bucket_plan, pack
+
+
+def _tensors(seed: int) -> list[tuple[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(12):
+        shape = [int(x) for x in torch.randint(1, 40, (int(torch.randint(1, 3, (1,), generator=gen)),), generator=gen)]
+        dtype = [torch.float32, torch.bfloat16, torch.float16][i % 3]
+        out.append((f"t{i}", torch.randn(shape, generator=gen).to(dtype)))
+    return out
+
+
+@pytest.mark.parametrize("bucket_bytes", [ALIGN, 48, 256, 1024, 1 << 20])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_packing_round_trip_at_any_bucket_size(bucket_bytes, seed):
+    tensors = _tensors(seed)
+    manifest = Manifest.decode(Manifest.of(tensors, bucket_bytes).encode())
+    plan = bucket_plan(manifest)
+    unpack = Unpacker(manifest)
+    got = {}
+    bucket = torch.empty(manifest.bucket_bytes, dtype=torch.uint8)
+    for k, pieces in enumerate(plan):
+        bucket.fill_(0xAB)  # a stale byte anywhere shows up below
+        used = pack(bucket, pieces, [t for _, t in tensors])
+        assert used <= manifest.bucket_bytes
+        for name, t in unpack.feed(k, bucket[:used]):
+            got[name] = t.clone()  # views of the bucket: copied before it is reused
+    assert list(got) == [n for n, _ in tensors]
+    for name, t in tensors:
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+    total = manifest.offsets()[1]
+    assert len(plan) == -(-total // manifest.bucket_bytes)  # bounded: no bucket beyond the stream
+
+
+def test_a_tensor_larger_than_a_bucket_spans_several():
+    tensors = [("big", torch.arange(1000, dtype=torch.float32)), ("small", torch.ones(3))]
+    manifest = Manifest.of(tensors, 1024)
+    plan = bucket_plan(manifest)
+    assert len(plan) == 4 and [p.index for p in plan[0]] == [0] and plan[3][-1].index == 1
+    assert max(p.bucket_offset + p.length for b in plan for p in b) <= 1024
+
+
+@pytest.mark.parametrize("bad, needle", [
+    (b"\x80not json", "not JSON"),
+    (b'{"names": []}', "expected fields"),
+    (b'{"names": ["a"], "dtype_names": [], "shapes": [], "bucket_bytes": 16, "shm": null}', "one length"),
+    (b'{"names": ["a"], "dtype_names": ["float32"], "shapes": [[-1]], "bucket_bytes": 16, "shm": null}', "bad entry"),
+    (b'{"names": [], "dtype_names": [], "shapes": [], "bucket_bytes": 7, "shm": null}', "bucket_bytes"),
+    (b'{"names": [], "dtype_names": [], "shapes": [], "bucket_bytes": 16, "shm": "x"}', "shared-memory"),
+])
+def test_a_bad_manifest_is_refused_by_name(bad, needle):
+    with pytest.raises(ValueError, match=needle):
+        Manifest.decode(bad)
+
+
+GOOD = {"master_address": "127.0.0.1", "master_port": 29555, "world_size": 5}
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"master_port": 0}, "master_port"), ({"master_port": "1"}, "master_port"),
+    ({"world_size": 1}, "world_size"), ({"rank_offset": 5}, "rank_offset"), ({"rank_offset": 0}, "rank_offset"),
+    ({"timeout_s": 0}, "timeout_s"), ({"packed_buffer_size_bytes": 10}, "packed_buffer_size_bytes"),
+    ({"master_address": ""}, "master_address"), ({"bogus": 1}, "unknown field"), ({"backend": "rdma"}, "backend"),
+])
+def test_init_info_fields_are_checked(change, needle):
+    with pytest.raises(ValueError, match=needle):
+        TransferInitInfo.from_dict({**GOOD, **change})
+
+
+def test_init_info_accepts_vllms_fields_and_places_every_engine_rank():
+    info = TransferInitInfo.from_dict({**GOOD, "packed": True, "packed_num_buffers": 2})
+    assert [info.group_rank(r) for r in range(4)] == [1, 2, 3, 4]
+    with pytest.raises(ValueError, match="outside world_size"):
+        info.group_rank(4)
+    with pytest.raises(ValueError, match="missing"):
+        TransferInitInfo.from_dict({"master_address": "h"})
+    assert TransferInitInfo.from_dict({**GOOD, "master_port": 0}, sender=True).master_port == 0
+
+
+def test_update_info_and_config():
+    assert TransferUpdateInfo.from_dict(None).names == []
+    with pytest.raises(ValueError, match="same length"):
+        TransferUpdateInfo.from_dict({"names": ["a"], "dtype_names": [], "shapes": []})
+    with pytest.raises(ValueError, match="unknown"):
+        TransferUpdateInfo.from_dict({"nmes": []})
+    assert WeightTransferConfig.of({"backend": "ipc"}).backend == "ipc"
+    with pytest.raises(ValueError, match="backend"):
+        WeightTransferConfig("rdma")
+    with pytest.raises(TypeError):
+        WeightTransferConfig.of("nccl")
