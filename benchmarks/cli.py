@@ -24,6 +24,7 @@ from benchmarks import (
     startup,
     structured,
     transport,
+    weight_transfer,
 )
 
 # name: (function, what it measures, against what). The order is the run order.
@@ -84,6 +85,10 @@ unconstrained, seconds"""),
     "lora": (lora.fig_lora, """LoRA adapters: decode B=8 bf16 (uni) with every request on one rank-16 adapter
 (all 7 targets), and with four adapters mixed in the batch, vs the same requests on the base
 model, same engine in turns, tokens/s (targets >= 0.7 and >= 0.6)"""),
+    "weight_transfer": (weight_transfer.fig_weight_transfer, """seconds to push the bench model from a trainer
+(a thread) into a running uni engine through the four-phase weight transfer (nccl backend: gloo on CPU,
+packed buckets, applied into the engine's weights) vs a plain gloo broadcast of the same tensors, same run
+(ratio = baseline / value, target >= 0.8); bytes per second of both"""),
     "async": (scheduler.fig_async, """async scheduling (step k+1 scheduled while step k runs) vs the same engine
 without, decode tokens/s: uni bf16 at B=1 and 8 (the worker on a step thread) and mp TP=2 at
 B=8 (the engine process schedules while its workers run), engines in turns; same tokens

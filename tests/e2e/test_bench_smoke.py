@@ -17,7 +17,7 @@ import sys
 import pytest
 from launch import REPO, run_checked
 
-FIGURES = "decode,capacity,prefix,chunked,pp,structured"
+FIGURES = "decode,capacity,prefix,chunked,pp,structured,weight_transfer"
 EXPECTED = {
     "decode_tokens_per_s_float32", "decode_roofline_fraction_float32", "decode_matmul_ceiling_fraction_float32",
     "decode_tokens_per_s_bfloat16", "decode_roofline_fraction_bfloat16", "decode_matmul_ceiling_fraction_bfloat16",
@@ -31,6 +31,7 @@ EXPECTED = {
     "pp2_overlap_prefill_vs_uni_tokens_per_s", "pp2_overlap_prefill_ceiling_half_batches",
     "pp2_shm_handoff_vs_gloo_tokens_per_s", "pp2_prefill_shm_handoff_vs_gloo_tokens_per_s",
     "structured_first_request_s", "structured_json_decode_tokens_per_s_b8",
+    "weight_transfer_protocol_s", "weight_transfer_push_s",
 }
 
 
