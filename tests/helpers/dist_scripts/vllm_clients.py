@@ -1,4 +1,4 @@
-"""Five open-source clients of vLLM, replayed call for call against this engine.
+"""Six open-source clients of vLLM, replayed call for call against this engine.
 
 Each replay makes the calls its client makes on vLLM, with the same arguments and in the same
 order, written here from a reading of the client's source (never copied):
@@ -27,6 +27,10 @@ order, written here from a reading of the client's source (never copied):
 - lm-evaluation-harness's vLLM backend (lm_eval/models/vllm_causallms.py, with the torchrun
   arguments of its PR #3304): `LLM(**model_args)`, loglikelihood from `prompt_logprobs=1`
   and generate_until with stop strings, requests reordered by its Collator.
+- AgileRL's LoRA colocate mode (agilerl/algorithms/core/llm_vllm.py): `LLM(enable_lora=True,
+  ...)` under torchrun, per step `wake_up()`, the PEFT adapter saved and
+  `llm_engine.add_lora(LoRARequest(..., load_inplace=True))`, `reset_prefix_cache()`, the TP
+  group's prompts gathered and generated with `lora_request`, `sleep(level=1)`.
 
 What a client does through vLLM internals that have no counterpart here is left out and
 named where it would be (verl's and ms-swift's `process_weights_after_loading`, torchtitan's
@@ -61,6 +65,7 @@ HELPERS = str(Path(__file__).resolve().parent.parent)  # tests/helpers: torchrun
 if HELPERS not in sys.path:
     sys.path.insert(0, HELPERS)
 
+from vllm_replays.agilerl import agilerl  # noqa: E402
 from vllm_replays.common import Launch, collect  # noqa: E402
 from vllm_replays.lm_eval import lm_eval  # noqa: E402
 from vllm_replays.swift_batch_infer import swift_batch_infer  # noqa: E402
@@ -69,9 +74,9 @@ from vllm_replays.torchtitan import torchtitan  # noqa: E402
 from vllm_replays.verl import verl  # noqa: E402
 
 CLIENTS = {"torchtitan": torchtitan, "verl": verl, "swift_grpo": swift_grpo, "swift_infer": swift_batch_infer,
-           "lm_eval": lm_eval}
+           "lm_eval": lm_eval, "agilerl": agilerl}
 # Clients whose trainer makes the torch world before the engine (accelerate, verl's workers).
-IN_TRAINERS_WORLD = ("verl", "swift_grpo")
+IN_TRAINERS_WORLD = ("verl", "swift_grpo", "agilerl")
 
 
 def run_client(name: str, cfg: dict, backend: str = "uni") -> dict:

@@ -1,10 +1,11 @@
 """Five real clients of vLLM replayed call for call against this engine
 (tests/helpers/dist_scripts/vllm_clients.py says what each one calls, from which source file):
 torchtitan's RL generator, verl's last SPMD rollout, ms-swift's GRPO colocate mode and its
-torchrun batch inference, lm-evaluation-harness's vLLM backend.
+torchrun batch inference, lm-evaluation-harness's vLLM backend, AgileRL's LoRA colocate mode
+(checked against PEFT on each step's adapter).
 
 Each client runs once in this process on the uni executor and once under torchrun with two
-ranks (external_launcher, gloo): one launch runs all five in turn and every test reads its
+ranks (external_launcher, gloo): one launch runs all six in turn and every test reads its
 client's REPORT lines. The references: a fresh engine on the pushed checkpoint for the RL
 clients (the tokens of each step come from the weights pushed for it, and differ from the
 weights before), a plain `generate` with the replica's seed for ms-swift's batch inference,
@@ -148,7 +149,7 @@ def setup(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def torchrun_reports(setup) -> dict:
-    """All five clients in one torchrun launch of two ranks: {(client, rank): report}."""
+    """All six clients in one torchrun launch of two ranks: {(client, rank): report}."""
     launch = run_torchrun(2, [str(SCRIPT), setup["path"]], timeout=560)
     assert launch.returncode == 0 and not launch.timed_out, launch.describe()
     assert not launch.leftover_pids and not launch.stale_segments(), launch.describe()
@@ -206,7 +207,7 @@ def test_torchtitan_generator_uni(setup):
     check_torchtitan(uni_report(setup, "torchtitan"))
 
 
-@pytest.mark.slow  # one torchrun launch of all five clients
+@pytest.mark.slow  # one torchrun launch of all six clients
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_torchtitan_generator_torchrun_tp2(torchrun_reports):
@@ -235,7 +236,7 @@ def test_verl_spmd_rollout_uni(setup):
     check_verl(uni_report(setup, "verl"))
 
 
-@pytest.mark.slow  # one torchrun launch of all five clients
+@pytest.mark.slow  # one torchrun launch of all six clients
 @pytest.mark.timeout(600)
 def test_verl_spmd_rollout_torchrun_tp2(torchrun_reports):
     reports = [torchrun_reports[("verl", r)] for r in (0, 1)]
@@ -264,7 +265,7 @@ def test_swift_grpo_colocate_uni(setup):
     assert not report["seeded"]  # TP 1: no per-request seeds, the engine's seed stream
 
 
-@pytest.mark.slow  # one torchrun launch of all five clients
+@pytest.mark.slow  # one torchrun launch of all six clients
 @pytest.mark.timeout(600)
 def test_swift_grpo_colocate_torchrun_tp2(torchrun_reports, setup):
     reports = [torchrun_reports[("swift_grpo", r)] for r in (0, 1)]
@@ -293,7 +294,7 @@ def test_swift_batch_infer_uni(setup):
     assert tokens(report["written"]) == plain_generate(setup, PROMPTS, 42)
 
 
-@pytest.mark.slow  # one torchrun launch of all five clients
+@pytest.mark.slow  # one torchrun launch of all six clients
 @pytest.mark.timeout(600)
 def test_swift_batch_infer_torchrun_two_replicas(torchrun_reports, setup):
     """Seed 42 + rank on each replica, the prompts split in two halves in order, every result
@@ -329,7 +330,7 @@ def test_lm_eval_vllm_backend_uni(setup, lm_eval_uni):
     check_lm_eval(lm_eval_uni, setup["hf"])
 
 
-@pytest.mark.slow  # one torchrun launch of all five clients
+@pytest.mark.slow  # one torchrun launch of all six clients
 @pytest.mark.timeout(600)
 def test_lm_eval_vllm_backend_torchrun_dp2(torchrun_reports, setup):
     for rank in (0, 1):
@@ -352,12 +353,44 @@ def test_the_lm_eval_references_can_fail(setup, lm_eval_uni):
 
 # The one call a client makes that the engine answers differently, documented in
 # docs/vllm-compatibility.md: the CPU engine packs its linear weights (VNNI / oneDNN layouts), so a
+# ---- AgileRL LoRA colocate ------------------------------------------------------------------
+
+def check_agilerl(report: dict, orig: str) -> None:
+    """Every step's sampled tokens have PEFT's logprobs under that step's adapter (the one the
+    replay saved and pushed in place). Control seen failing: VLLM_CLIENTS_BREAK=agilerl (no in-place push after the first step)."""
+    from lora_helpers import peft_model, reference_logprobs
+    require_reference("peft")
+    completed(report)
+    assert len(report["steps"]) == 3
+    for k, step in enumerate(report["steps"]):
+        model = peft_model(orig, step["adapter"])
+        for sample in step["samples"]:
+            assert len(sample["tokens"]) == 6
+            want = reference_logprobs(model, sample["prompt"], sample["tokens"])
+            worst = max(abs(a - b) for a, b in zip(sample["logprobs"], want))
+            assert worst < 1e-4, f"step {k}: the engine did not run that step's adapter ({worst})"
+
+
+@pytest.mark.timeout(240)
+def test_agilerl_lora_colocate_uni(setup):
+    check_agilerl(uni_report(setup, "agilerl"), setup["cfg"]["orig"])
+
+
+@pytest.mark.slow  # one torchrun launch of all six clients
+@pytest.mark.timeout(600)
+def test_agilerl_lora_colocate_torchrun_tp2(torchrun_reports, setup):
+    reports = [torchrun_reports[("agilerl", r)] for r in (0, 1)]
+    for report in reports:
+        check_agilerl(report, setup["cfg"]["orig"])
+    assert [s["samples"] for s in reports[0]["steps"]] == [s["samples"] for s in reports[1]["steps"]]
+
+
 # state dict read from the model holds packed tensors a trainer's dense ones cannot be copied into;
 # the replay then pushes the same weights by HF name through load_weights, torchtitan's other route.
 KNOWN_GAPS = {"torchtitan": ["get_model().state_dict() filled in place + load_state_dict(strict=False)"]}
 
 
-@pytest.mark.slow  # one torchrun launch of all five clients
+@pytest.mark.slow  # one torchrun launch of all six clients
 @pytest.mark.timeout(600)
 def test_every_client_call_exists_but_the_documented_one(torchrun_reports):
     """A new gap fails here, and so does the documented one closing (then drop it from the list
