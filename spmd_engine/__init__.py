@@ -5,14 +5,17 @@ plan CLI) stays free of torch until a model is actually needed.
 """
 
 __all__ = ["LLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "Logprob", "SamplingMask",
-           "ModelRegistry", "EngineArgs", "LLMEngine"]
+           "ModelRegistry", "EngineArgs", "LLMEngine", "LoRARequest", "StructuredOutputsParams"]
 
 
 def __getattr__(name):
     if name == "LLM":
         from spmd_engine.engine.llm import LLM
         return LLM
-    if name in ("SamplingParams", "RequestOutputKind"):
+    if name == "LoRARequest":  # vLLM's lives in vllm.lora.request; here spmd_engine.lora_request
+        from spmd_engine.lora_request import LoRARequest
+        return LoRARequest
+    if name in ("SamplingParams", "RequestOutputKind", "StructuredOutputsParams"):
         from spmd_engine import sampling_params
         return getattr(sampling_params, name)
     if name in ("RequestOutput", "CompletionOutput", "Logprob", "SamplingMask"):

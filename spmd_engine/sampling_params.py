@@ -45,7 +45,7 @@ class StructuredOutputsParams:
     none or several is an error here, before any engine sees it. `disable_any_whitespace`
     makes JSON compact; `disable_additional_properties` closes every object of the schema that
     does not say otherwise; `whitespace_pattern` is read by vLLM's other backends only
-    (xgrammar's ignores it, as here). `structural_tag` is vLLM's too and refused by the backend.
+    (xgrammar's ignores it, as here). `structural_tag` is vLLM's too and refused here.
     """
 
     json: str | dict | None = None
@@ -65,6 +65,9 @@ class StructuredOutputsParams:
         if not set_:
             raise ConfigError(f"structured_outputs: set one constraint of {', '.join(CONSTRAINT_FIELDS)}; none is set")
         kind = set_[0]
+        if kind == "structural_tag":  # vLLM's tool-call tags: no backend here builds them
+            raise ConfigError("structured_outputs.structural_tag is not supported by spmd_engine "
+                              "(json, regex, choice, grammar or json_object are)")
         value = getattr(self, kind)
         expected = {"json": (str, dict), "regex": str, "grammar": str, "structural_tag": str, "json_object": bool}
         if kind == "choice":

@@ -100,7 +100,7 @@ class Prober:
     @staticmethod
     def _find_class(attribute: str):
         import importlib
-        for module in ("spmd_engine", "spmd_engine.sampling_params", "spmd_engine.lora.request", "spmd_engine.lora"):
+        for module in ("spmd_engine", "spmd_engine.sampling_params", "spmd_engine.lora_request"):
             try:
                 found = getattr(importlib.import_module(module), attribute, None)
             except ImportError:

@@ -111,7 +111,7 @@ class EngineArgs(_EngineArgFields):
 
     def create_lora_config(self) -> LoRAConfig | None:
         """vLLM's: the LoRA sizes count only with enable_lora."""
-        if not isinstance(self.enable_lora, bool):
+        if self.enable_lora is not None and not isinstance(self.enable_lora, bool):
             raise ConfigError(f"enable_lora must be True or False, got {self.enable_lora!r}")
         if not self.enable_lora:
             return None

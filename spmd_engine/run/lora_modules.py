@@ -24,7 +24,7 @@ JSON_FIELDS = ("name", "path", "base_model_name", "is_3d_lora_weight")
 def add_lora_args(parser: argparse.ArgumentParser) -> None:
     """vLLM's LoRA flags (EngineArgs reads the first five by name; --lora-modules is run's)."""
     group = parser.add_argument_group("LoRA adapters (docs/lora.md)")
-    group.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=False)
+    group.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=None)  # vLLM's: None is off
     group.add_argument("--max-loras", type=int, default=1, metavar="N",
                        help="adapters one step may serve")
     group.add_argument("--max-lora-rank", type=int, default=16, choices=MAX_LORA_RANKS, metavar="R",

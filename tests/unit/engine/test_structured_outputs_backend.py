@@ -68,8 +68,8 @@ def test_backend_caches_compiles_and_names_what_xgrammar_refuses():
         backend.compile(StructuredOutputsParams(json="{"))
     with pytest.raises(StructuredOutputError, match="grammar was refused by xgrammar: EBNF parser error"):
         backend.compile(StructuredOutputsParams(grammar='root ::= "a" |'))
-    with pytest.raises(StructuredOutputError, match="structural_tag is not supported"):
-        backend.compile(StructuredOutputsParams(structural_tag="{}"))
+    with pytest.raises(ConfigError, match="structural_tag is not supported"):  # refused before any backend
+        StructuredOutputsParams(structural_tag="{}")
 
 
 def test_disable_additional_properties_closes_every_object():
