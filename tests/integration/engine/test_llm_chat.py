@@ -80,8 +80,11 @@ def test_chat_template_tools_and_continue_final_message(llm, hf):
 def test_chat_errors(llm):
     with pytest.raises(ConfigError, match="cannot both be set"):
         llm.chat(CONVERSATIONS[0], PARAMS, continue_final_message=True)
-    with pytest.raises(NotImplementedError, match="lora_request: LoRA adapters are not supported"):
+    with pytest.raises(TypeError, match="lora_request must be a LoRARequest or None, got object"):
         llm.chat(CONVERSATIONS[0], PARAMS, lora_request=object())
+    from spmd_engine import LoRARequest
+    with pytest.raises(ValueError, match="LoRA is not enabled: start the engine with enable_lora=True"):
+        llm.chat(CONVERSATIONS[0], PARAMS, lora_request=LoRARequest("a", 1, "/nowhere"))
 
 
 def run_cli(*args):

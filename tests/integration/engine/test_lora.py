@@ -270,3 +270,34 @@ def test_the_compiled_forward_serves_adapters_as_eager_does(adapters):
             assert llm.llm_engine.engine_core.executor.collective_rpc("get_runner_stats")[0]["compiled_graphs"] > 0
         llm.shutdown()
     assert got[False] == got[True]
+
+
+@pytest.mark.slow
+def test_attention_lora_on_a_mixture_of_experts_model_and_expert_lora_refused(tmp_path):
+    """Qwen3-MoE (q/k norm, sparse MLPs, one dense layer): an adapter on the attention projections
+    gives PEFT's tokens and logprobs, at uni and TP 2 (mp); an adapter on an MoE block's MLP is
+    refused by name."""
+    from make_random_checkpoint import make_random_checkpoint
+    model = make_random_checkpoint(tmp_path / "moe", architecture="Qwen3MoeForCausalLM", hidden_size=64, num_layers=3,
+                                   num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96, vocab_size=200,
+                                   num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1], seed=5)
+    adapter = make_adapter(model, tmp_path / "attn", r=8, alpha=16, seed=4, scale=0.8,
+                           targets=["q_proj", "k_proj", "v_proj", "o_proj"])
+    ref = peft_model(model, adapter)
+    prompt = [3 + (11 * i) % 190 for i in range(20)]
+    request = LoRARequest("attn", 1, str(adapter))
+    for layout in ({}, {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}):
+        llm = engine(model=str(model), **layout)
+        (tokens, logprobs), (base, _) = run(llm, [request, None], prompt=prompt)
+        assert tokens == reference_greedy(ref, prompt, len(tokens)) and tokens != base, layout
+        assert max(abs(a - b) for a, b in zip(logprobs, reference_logprobs(ref, prompt, tokens))) < 1e-4
+        llm.shutdown()
+    experts = make_adapter(model, tmp_path / "mlp", r=4, alpha=4, seed=6, targets=["gate_proj", "up_proj"])
+    on_block = _bad(tmp_path, adapter, edit_tensors=lambda t: _renamed(t, "layers.0.self_attn.q_proj",
+                                                                         "layers.0.mlp.gate_proj"))
+    llm = engine(model=str(model))
+    with pytest.raises(LoRAAdapterError, match=r"'experts': .*target_parameters \(expert LoRA\) not supported"):
+        llm.llm_engine.add_lora(LoRARequest("experts", 2, str(experts)))  # PEFT's own expert adapter
+    with pytest.raises(LoRAAdapterError, match="LoRA on a mixture-of-experts block is not supported"):
+        llm.llm_engine.add_lora(LoRARequest("on-block", 3, on_block))
+    llm.shutdown()

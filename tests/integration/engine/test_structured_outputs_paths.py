@@ -68,3 +68,32 @@ def test_batch_invariant_mode_gives_a_request_the_same_bits_alone_and_batched():
     assert alone.token_ids == batched.token_ids
     assert [{k: v.logprob for k, v in e.items()} for e in alone.logprobs] == \
            [{k: v.logprob for k, v in e.items()} for e in batched.logprobs]
+
+
+@pytest.mark.slow
+def test_pause_keep_sleep_and_resume_change_no_token():
+    """Constrained requests paused mid-way (mode "keep"), the engine put to sleep (their KV is
+    dropped and recomputed on wake) and resumed: every request's tokens equal an uninterrupted
+    run's, and still obey their constraint."""
+    prompts = ["Beautiful is", "Explicit is", "Simple is", "Flat is"]
+    names = ["json", "date", "choice", "grammar"]
+    params = [structured_params(n, s) for s, n in enumerate(names)]
+    with LLM(seed=0, max_model_len=256, enable_sleep_mode=True) as llm:
+        reference = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+        engine, done = llm.llm_engine, {}
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            engine.add_request(str(i), p, sp)
+        for _ in range(3):
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        llm.sleep(level=1, mode="keep")  # pauses (keep): the requests give their KV back
+        llm.wake_up()
+        engine.resume_generation()
+        for _ in range(2):
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        engine.pause_generation(mode="keep")  # and a plain pause, the KV kept
+        engine.resume_generation()
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert [list(done[str(i)].outputs[0].token_ids) for i in range(len(prompts))] == reference
+    from structured import CONSTRAINTS
+    assert all(CONSTRAINTS[n][1](done[str(i)].outputs[0].text) for i, n in enumerate(names))

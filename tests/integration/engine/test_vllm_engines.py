@@ -49,7 +49,7 @@ def test_engine_args_take_vllms_names_and_refuse_what_would_change_a_result():
     with pytest.raises(TypeError, match="EngineArgs.__init__\\(\\) got an unexpected keyword argument 'no_such'"):
         EngineArgs(model=ModelConfig().model_dir, no_such=1)
     for name, value in [("kv_cache_dtype", "fp8"), ("hf_overrides", {"num_hidden_layers": 2}),
-                        ("enable_lora", True), ("tokenizer", "/elsewhere")]:
+                        ("enable_lora_bias", True), ("tokenizer", "/elsewhere")]:
         with pytest.raises(ConfigError, match=f"{name}=.* is not supported by spmd_engine"):
             LLM(max_model_len=64, **{name: value})
 @pytest.mark.timeout(300)

@@ -39,7 +39,7 @@ def test_per_request_arguments_vllm_takes(llm):
     want = ids(llm.generate(PROMPTS, GREEDY))
     assert ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=None, priority=0)) == want
     assert ids(llm.generate(PROMPTS, GREEDY, lora_request=[None] * 3, priority=[0, 0, 0])) == want
-    with pytest.raises(NotImplementedError, match="lora_request: LoRA adapters are not supported"):
+    with pytest.raises(TypeError, match="lora_request must be a LoRARequest or None, got object"):
         llm.generate(PROMPTS, GREEDY, lora_request=object())
     with pytest.raises(ValueError, match="Got priority 1 but Priority scheduling is not enabled"):
         llm.generate(PROMPTS, GREEDY, priority=[0, 1, 0])
