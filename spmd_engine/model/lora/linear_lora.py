@@ -37,6 +37,11 @@ class StepMapping:
     groups: list[tuple[int, torch.Tensor | None]]
     stack: StackPlan | None = None
 
+    @property
+    def single(self) -> int | None:
+        """The slot of the one adapter every row uses, else None."""
+        return self.groups[0][0] if len(self.groups) == 1 and self.groups[0][1] is None else None
+
 
 class LoRAState:
     """What every LinearLoRA of one model reads: this forward's mapping (None: base only)."""
@@ -105,6 +110,14 @@ class LinearLoRA:
         mapping = self.state.mapping
         if mapping is None:
             return y
+        if mapping.single is not None and not self.batch_invariant:  # one adapter on every row: few ops
+            weights = self.slots[mapping.single]
+            if weights is None:
+                return y
+            at, bt = weights.fast()
+            rows_x = x.reshape(-1, x.shape[-1])
+            delta = torch.mm(self.reduce(torch.mm(rows_x.to(at.dtype), at)), bt)
+            return y + delta.to(y.dtype).view(y.shape)
         lead = y.shape[:-1]
         rows_x = x.reshape(-1, x.shape[-1])
         out = y.reshape(-1, y.shape[-1])
