@@ -105,6 +105,39 @@ def test_mp_tp2_pp2_gives_the_tokens_of_uni(bundled):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
+def test_dp_waves_of_a_mixture_of_experts_give_the_tokens_of_uni(tmp_path):
+    """A Qwen3-MoE (byte tokenizer) under DP 2 (mp): its replicas step in waves, the one with
+    fewer constrained requests running dummy forwards; every request's tokens equal uni's and
+    obey their constraint."""
+    from make_random_checkpoint import make_random_checkpoint
+    from structured import CONSTRAINTS
+    model = make_random_checkpoint(tmp_path / "moe", architecture="Qwen3MoeForCausalLM", hidden_size=64, num_layers=2,
+                                   num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96, vocab_size=258,
+                                   num_experts=4, num_experts_per_tok=2, seed=3)
+    config = json.loads((model / "config.json").read_text())
+    config.update(spmd_engine_tokenizer="bytes", bos_token_id=256, eos_token_id=257)
+    (model / "config.json").write_text(json.dumps(config))
+    names = ["date", "choice", "grammar", "email", "json"]
+    prompts = ["Beautiful is", "Flat is", "Errors should", "Now is", "Simple is"]
+    params = [structured_params(n, s) for s, n in enumerate(names)]
+    for p in params:
+        p.max_tokens = 60  # a random model seldom closes a schema: a length finish is fine here
+    with LLM(model=str(model), seed=0, max_model_len=512) as uni:
+        reference = [o.outputs[0].token_ids for o in uni.generate(prompts, params)]
+    with LLM(model=str(model), seed=0, max_model_len=512, data_parallel_size=2,
+             distributed_executor_backend="mp") as llm:
+        assert llm.dp_waves
+        outs = llm.generate(prompts, params)
+        stats = llm.get_stats()
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    assert any(s["dummy_steps"] > 0 for s in stats) or len({s["steps"] for s in stats}) == 1
+    for o, n in zip(outs, names):
+        if o.outputs[0].finish_reason == "stop":
+            assert CONSTRAINTS[n][1](o.outputs[0].text), (n, o.outputs[0].text)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
 @pytest.mark.xdist_group("world4")
 def test_torchrun_tp2_dp2_gives_the_tokens_of_uni(bundled, tmp_path):
     sys.path.insert(0, str(SCRIPT.parent))
