@@ -111,7 +111,7 @@ def test_uni_steps_run_in_the_callers_thread_while_a_helper_schedules_the_next()
             seen["step_threads"].add(threading.get_ident())
             running.set()
             try:
-                time.sleep(0.002)  # a forward long enough for the helper to schedule within it
+                time.sleep(0.02)  # a forward long enough for the helper to schedule within it, a busy host too
                 return execute(out)
             finally:
                 running.clear()
