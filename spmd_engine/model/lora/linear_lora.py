@@ -122,7 +122,10 @@ class LinearLoRA:
         rows_x = x.reshape(-1, x.shape[-1])
         out = y.reshape(-1, y.shape[-1])
         if mapping.stack is not None and not self.batch_invariant:  # several adapters: one batched product
-            rows, delta = stacked_delta(self, rows_x, mapping)
+            found = stacked_delta(self, rows_x, mapping)
+            if found is None:
+                return y
+            rows, delta = found
             return out.index_add(0, rows, delta.to(out.dtype)).view(*lead, out.shape[-1])
         for slot, rows in mapping.groups:
             weights = self.slots[slot]

@@ -40,9 +40,12 @@ def plan(groups: list[tuple[int, torch.Tensor]], device) -> StackPlan:
                      torch.tensor(keep, device=device), rows, width)
 
 
-def stacked_delta(lora, rows_x: torch.Tensor, mapping) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the step's rows, their adapters' products) for `lora` (a LinearLoRA) this step."""
+def stacked_delta(lora, rows_x: torch.Tensor, mapping) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(the step's rows, their adapters' products) for `lora` (a LinearLoRA) this step; None when
+    none of the step's adapters targets this layer."""
     stack = mapping.stack
+    if all(lora.slots[s] is None for s in stack.slots):
+        return None
     at, bt = _stacked_weights(lora, stack.slots)
     xg = rows_x.index_select(0, stack.gather).to(at.dtype).view(len(stack.slots), stack.width, -1)
     shrunk = lora.reduce(torch.bmm(xg, at))

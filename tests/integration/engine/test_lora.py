@@ -78,6 +78,23 @@ def test_a_mixed_batch_gives_each_request_what_peft_gives(bundled, adapters):
     llm.shutdown()
 
 
+def test_adapters_that_leave_a_layer_alone_batched_together(bundled, tmp_path):
+    """Two adapters on q_proj only, batched with the base model: every other layer has no adapter
+    of the step (their rows go through untouched); each request still gets PEFT's tokens."""
+    from transformers import AutoModelForCausalLM
+    paths = [make_adapter(bundled, tmp_path / f"q{i}", r=8, alpha=16, seed=10 + i, scale=1.0, targets=["q_proj"])
+             for i in range(2)]
+    llm = engine()
+    requests = [None, LoRARequest("q0", 1, str(paths[0])), LoRARequest("q1", 2, str(paths[1]))]
+    got = run(llm, requests)
+    llm.shutdown()
+    refs = [AutoModelForCausalLM.from_pretrained(str(bundled), dtype=torch.float32).eval()]
+    refs += [peft_model(bundled, p) for p in paths]
+    for (tokens, logprobs), ref in zip(got, refs):
+        assert tokens == reference_greedy(ref, PROMPT, len(tokens))
+        assert max(abs(a - b) for a, b in zip(logprobs, reference_logprobs(ref, PROMPT, tokens))) < 1e-4
+
+
 def test_more_adapters_than_slots_queue_and_are_dropped_and_loaded_again(adapters):
     """max_loras=1, max_cpu_loras=2, three adapters interleaved over six requests: each request
     still gets what its adapter gives alone, and at most two adapters stay loaded."""
