@@ -216,6 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="chaos-"))
     work.mkdir(parents=True, exist_ok=True)
     (work / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
+    # One compile cache for every job (the kernels are built by the reference run), as a real
+    # deployment keeps one: each attempt's scratch TMPDIR would otherwise rebuild them, and on a
+    # busy host that build alone outlasts the mp workers' --timeout to start.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(work / "compile-cache"))
     print(f"chaos: seed {args.seed}, {args.trials} trials, work dir {work}", flush=True)
     reference = reference_output(work, args)
     results = []
