@@ -189,7 +189,7 @@ FIELD_LINES = [
     ("stop_token_ids", dict(temperature=0, stop_token_ids=[116])),  # "t"
     ("min_tokens", dict(temperature=0, stop_token_ids=[116], min_tokens=6)),
     ("echo", dict(temperature=0, echo=True, logprobs=1)),
-    ("refused", dict(temperature=0, response_format={"type": "json_object"})),
+    ("refused", dict(temperature=0, use_beam_search=True)),
 ]
 
 
@@ -204,7 +204,7 @@ def test_request_fields_change_the_outputs(tmp_path):
                         "--quiet"], "batch-fields", 150)
     assert proc.returncode == 0, proc.stderr
     got = {r["custom_id"]: r["response"]["body"] for r in read(out)}
-    assert got["refused"]["error"]["message"].endswith('"response_format" is not supported by spmd_engine')
+    assert got["refused"]["error"]["message"].endswith('"use_beam_search" is not supported by spmd_engine')
     fields = {cid: {k: v for k, v in body.items() if k != "echo"} for cid, body in FIELD_LINES[:-1]}
     fields["echo"]["prompt_logprobs"] = 1
     with LLM() as llm:

@@ -30,7 +30,12 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16, logprobs=2, ignore_eos=T
 def outcome(call):
     t0 = time.monotonic()
     try:
-        return ["ok", call(), round(time.monotonic() - t0, 2)]
+        result = call()
+        try:
+            json.dumps(result)
+        except TypeError:  # outputs of a call expected to fail: the report names what came back
+            result = repr(result)[:300]
+        return ["ok", result, round(time.monotonic() - t0, 2)]
     except Exception as exc:
         return [type(exc).__name__, str(exc), round(time.monotonic() - t0, 2)]
 
@@ -63,6 +68,9 @@ def info(port, timeout_s):
     return {"init_info": {"master_address": "127.0.0.1", "master_port": port, "world_size": 2, "timeout_s": timeout_s}}
 
 
+HANG_TIMEOUT_S = 6  # the hung trainer's timeout_s: long enough for both sides to join the group on a busy host
+
+
 def free_port():
     import socket
     with socket.socket() as s:
@@ -88,19 +96,20 @@ def faults(port_a, out):
     port_b, trainer_side = free_port(), {}
 
     def hanging():
-        t = trainer_engine("nccl").trainer_init(info(port_b, 3)["init_info"] | {"packed_buffer_size_bytes": 4096})
-        broadcast = t.group.broadcast
+        t = trainer_engine("nccl").trainer_init(info(port_b, HANG_TIMEOUT_S)["init_info"]
+                                                | {"packed_buffer_size_bytes": 4096})
+        broadcast_async = t.group.broadcast_async  # every bucket goes through it
 
-        def stalls(tensor, what="broadcast"):
+        def stalls(tensor, what):
             if what == "bucket 8":
-                time.sleep(6)
-            broadcast(tensor, what)
-        t.group.broadcast = stalls
+                time.sleep(2 * HANG_TIMEOUT_S)
+            return broadcast_async(tensor, what)
+        t.group.broadcast_async = stalls
         trainer_side["hang"] = outcome(lambda: t.send_weights(trainer_weights(3).items()))
         t.shutdown()
     th = threading.Thread(target=hanging)
     th.start()
-    report["init_b"] = outcome(lambda: llm.init_weight_transfer_engine(info(port_b, 3)))
+    report["init_b"] = outcome(lambda: llm.init_weight_transfer_engine(info(port_b, HANG_TIMEOUT_S)))
     llm.start_weight_update()
     report["hung_update"] = outcome(lambda: llm.update_weights({"update_info": {}}))
     report["hung_finish"] = outcome(lambda: llm.finish_weight_update(2))

@@ -48,15 +48,15 @@ if __name__ == "__main__":
             sent = sender.send_weights(weights.items())
             sys.stdout.write(f"sent {sent} bytes\n")
         else:
-            broadcast = sender.group.broadcast
+            broadcast_async = sender.group.broadcast_async  # every bucket goes through it
 
-            def stalling(tensor, what="broadcast"):
-                if what == "bucket 8" or what == "bucket 8 ready":
+            def stalling(tensor, what):
+                if what in ("bucket 8", "bucket 8 ready"):
                     sys.stdout.write("STALLED\n")
                     sys.stdout.flush()
                     time.sleep(120)
-                broadcast(tensor, what)
-            sender.group.broadcast = stalling
+                return broadcast_async(tensor, what)
+            sender.group.broadcast_async = stalling
             sender.send_weights(weights.items())
         sender.shutdown()
     if "RANK" in os.environ:

@@ -34,6 +34,7 @@ def trainer_adapter(path: str):
     from transformers import AutoModelForCausalLM
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     args = AGILERL
+    torch.manual_seed(0)  # PEFT draws A's start: every rank's trainer the same, as DDP makes them
     model = get_peft_model(base, LoraConfig(r=args["lora_rank"], lora_alpha=args["lora_alpha"], lora_dropout=0.0,
                                             target_modules=TARGETS, task_type="CAUSAL_LM"))
     return model

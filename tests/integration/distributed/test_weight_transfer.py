@@ -118,8 +118,8 @@ def test_faults_never_serve_a_mix_and_never_hang(tmp_path):
     assert r["killed_update"][0] == "RuntimeError" and "Connection closed" in r["killed_update"][1], r["killed_update"]
     assert r["killed_update"][2] < 20
     assert refused in r["killed_finish"][1] and refused in r["killed_generate"][1]
-    # a hung trainer: the engine gives up at timeout_s (3 s), the trainer when it wakes
-    assert "timed out" in r["hung_update"][1] and 2.5 < r["hung_update"][2] < 15, r["hung_update"]
+    # a hung trainer: the engine gives up at timeout_s (6 s), the trainer when it wakes
+    assert "timed out" in r["hung_update"][1] and 5.5 < r["hung_update"][2] < 20, r["hung_update"]
     assert refused in r["hung_finish"][1] and r["hung_trainer"][0] == "TransferError", r["hung_trainer"]
     # one sender per endpoint, one trainer per engine
     assert r["second_trainer"][0] == "TransferError" and "in use" in r["second_trainer"][1]

@@ -105,10 +105,10 @@ def test_mp_tp2_pp2_gives_the_tokens_of_uni(bundled):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_dp_waves_of_a_mixture_of_experts_give_the_tokens_of_uni(tmp_path):
+def test_dp_waves_of_a_mixture_of_experts_give_the_tokens_of_one_worker(bundled, tmp_path):
     """A Qwen3-MoE (byte tokenizer) under DP 2 (mp): its replicas step in waves, the one with
-    fewer constrained requests running dummy forwards; every request's tokens equal uni's and
-    obey their constraint."""
+    fewer constrained requests running dummy forwards; every request's tokens equal one worker's
+    and obey their constraint."""
     from make_random_checkpoint import make_random_checkpoint
     from structured import CONSTRAINTS
     model = make_random_checkpoint(tmp_path / "moe", architecture="Qwen3MoeForCausalLM", hidden_size=64, num_layers=2,
@@ -122,8 +122,9 @@ def test_dp_waves_of_a_mixture_of_experts_give_the_tokens_of_uni(tmp_path):
     params = [structured_params(n, s) for s, n in enumerate(names)]
     for p in params:
         p.max_tokens = 60  # a random model seldom closes a schema: a length finish is fine here
-    with LLM(model=str(model), seed=0, max_model_len=512) as uni:
-        reference = [o.outputs[0].token_ids for o in uni.generate(prompts, params)]
+    # one worker process (mp): this module's `bundled` engine holds this process's default group
+    with LLM(model=str(model), seed=0, max_model_len=512, distributed_executor_backend="mp") as one:
+        reference = [o.outputs[0].token_ids for o in one.generate(prompts, params)]
     with LLM(model=str(model), seed=0, max_model_len=512, data_parallel_size=2,
              distributed_executor_backend="mp") as llm:
         assert llm.dp_waves

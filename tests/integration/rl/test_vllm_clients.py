@@ -365,7 +365,7 @@ def check_agilerl(report: dict, orig: str) -> None:
     for k, step in enumerate(report["steps"]):
         model = peft_model(orig, step["adapter"])
         for sample in step["samples"]:
-            assert len(sample["tokens"]) == 6
+            assert 1 <= len(sample["tokens"]) <= 6  # sampled: an EOS may end it early
             want = reference_logprobs(model, sample["prompt"], sample["tokens"])
             worst = max(abs(a - b) for a, b in zip(sample["logprobs"], want))
             assert worst < 1e-4, f"step {k}: the engine did not run that step's adapter ({worst})"
