@@ -7,6 +7,15 @@ later request with the same prefix (another of `n` samples, a repeated system
 prompt, a resumed request) reuses it instead of computing it again. A hit is
 capped one token short of the whole request: the last token must run through
 the model to produce logits.
+
+Sliding window (issue 53): when every layer attends over the same window W (Mistral,
+`sliding_window` here), a block whose positions are all before a request's next query's
+window (each < first new position - W + 1; a chunk's earliest query still needs its window)
+is never read again: it goes back to the pool (still findable by its hash) and its place in
+the table becomes NULL_BLOCK, which the runner sees as block 0, read only under the mask. A
+prefix hit then needs only the blocks inside the window before the hit point. A model whose
+layers differ in window keeps every block (its windows only mask): freeing per group of
+layers needs a block table per group in the runner, which is not built yet.
 """
 
 from __future__ import annotations
@@ -14,10 +23,13 @@ from __future__ import annotations
 from spmd_engine.core.block_pool import BlockPool, chain_hash
 from spmd_engine.core.request import Request
 
+NULL_BLOCK = -1  # a table entry freed or skipped (out of the window); the runner reads block 0
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 sliding_window: int | None = None):
         self.block_size = block_size
+        self.sliding_window = sliding_window  # every layer's window, None: keep every block
         self.pool = BlockPool(num_blocks, enable_caching)
         self.tables: dict[str, list[int]] = {}
         # How many of each request's first blocks were offered to the prefix cache: each full
@@ -52,13 +64,29 @@ class KVCacheManager:
         usable = (request.num_tokens - 1) // self.block_size
         # [:usable]: a request preempted while its step was in flight (PP, async scheduling) comes
         # back with that step's token dropped, and may hold the hash of a block its tokens fill.
-        for h in self._hashes(request, usable)[:usable]:
+        hashes = self._hashes(request, usable)[:usable]
+        if self.sliding_window is not None:
+            return self._window_hits(hashes)
+        for h in hashes:
             block = self.pool.lookup(h)
             if block is None:
                 break
             hits.append(block)
         return hits
 
+    def _window_hits(self, hashes: list[bytes]) -> list[int]:
+        """The longest hit whose last blocks, those holding the W - 1 keys a query right after it
+        sees, are all cached: found scanning back from the end (as vLLM's sliding-window manager
+        does); the blocks before them are NULL_BLOCK. A run of cached blocks from the start
+        shorter than that is a hit too (there is nothing before it)."""
+        need = -(-(self.sliding_window - 1) // self.block_size)
+        run: list[int] = []
+        for i in range(len(hashes) - 1, -1, -1):
+            if len(run) >= need:
+                return [NULL_BLOCK] * (i + 1) + run
+            block = self.pool.lookup(hashes[i])
+            run = [block] + run if block is not None else []
+        return run  # cached from the start: nothing before it to need
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_blocks: list[int] | None = None) -> list[int] | None:
         """Blocks for `num_new_tokens` more tokens after the request's computed ones.
@@ -71,12 +99,14 @@ class KVCacheManager:
         table = self.tables.get(request.request_id, [])
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         total = num_computed + num_new_tokens
+        if self.sliding_window is not None:
+            self._free_out_of_window(table, num_computed)
         needed = -(-total // self.block_size) - len(table) - len(computed_blocks)
         # A hit on a free cached block takes it out of the free queue too.
-        reclaimed = sum(1 for b in computed_blocks if self.pool.ref_cnt[b] == 0)
+        reclaimed = sum(1 for b in computed_blocks if b != NULL_BLOCK and self.pool.ref_cnt[b] == 0)
         if needed + reclaimed > self.pool.num_free_blocks:
             return None
-        self.pool.touch(computed_blocks)
+        self.pool.touch(b for b in computed_blocks if b != NULL_BLOCK)
         added = computed_blocks + self.pool.get_new_blocks(max(0, needed))
         table = table + added
         self.tables[request.request_id] = table
@@ -91,15 +121,27 @@ class KVCacheManager:
             if full > offered:
                 hashes = self._hashes(request, full)
                 for i in range(offered, full):
-                    self.pool.cache_block(table[i], hashes[i])
+                    if table[i] != NULL_BLOCK:
+                        self.pool.cache_block(table[i], hashes[i])
                 self._offered[request.request_id] = full
+        if self.sliding_window is not None:
+            return [0 if b == NULL_BLOCK else b for b in added]
         return added
+
+    def _free_out_of_window(self, table: list[int], num_computed: int) -> None:
+        """Free, in place and oldest first, the table's blocks that no query from position
+        `num_computed` on can see (the NULL_BLOCKs lead the table: skipped)."""
+        dead = min(len(table), max(0, num_computed - self.sliding_window + 1) // self.block_size)
+        for i in range(dead):
+            if table[i] != NULL_BLOCK:
+                self.pool.free_blocks([table[i]])
+                table[i] = NULL_BLOCK
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its last blocks are evicted first."""
         table = self.tables.pop(request.request_id, [])
         self._offered.pop(request.request_id, None)
-        self.pool.free_blocks(reversed(table))
+        self.pool.free_blocks(b for b in reversed(table) if b != NULL_BLOCK)
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()

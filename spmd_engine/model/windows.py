@@ -57,3 +57,10 @@ def _layer_types(family: str, cfg: Mapping[str, Any], num_layers: int, window: i
     if unknown:
         raise ConfigError(f"{source}: 'layer_types' {unknown} are not supported (only {', '.join(LAYER_TYPES)})")
     return types
+
+
+def kv_freeing_window(windows: tuple[int | None, ...]) -> int | None:
+    """The window the KV cache manager may free blocks behind: the one every layer shares, else
+    None (a full-attention layer, or layers of different windows, keep every block)."""
+    kinds = set(windows)
+    return kinds.pop() if len(kinds) == 1 else None
