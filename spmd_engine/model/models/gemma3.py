@@ -88,8 +88,10 @@ def gemma3_spec(cfg: Mapping[str, Any], source: str, architecture: str) -> Gemma
                                       "rope_scaling": rope[FULL][1], "mlp_bias": False,
                                       "sliding_window": None}, source)
     shared = {f.name: getattr(llama, f.name) for f in fields(ModelSpec)}
-    shared.update(architecture=architecture, qk_norm=True, sliding_window=window)
-    return Gemma3Spec(**shared, layer_types=_layer_types(cfg, layers, source), local_rope_theta=rope[SLIDING][0],
+    types = _layer_types(cfg, layers, source)
+    shared.update(architecture=architecture, qk_norm=True, sliding_window=window,
+                  layer_windows=tuple(window if kind == SLIDING else None for kind in types))
+    return Gemma3Spec(**shared, layer_types=types, local_rope_theta=rope[SLIDING][0],
                       local_rope_scaling=rope[SLIDING][1], query_pre_attn_scalar=scalar,
                       final_logit_softcapping=softcap)
 
@@ -164,9 +166,11 @@ class Gemma3DecoderLayer(nn.Module):
 
     def __init__(self, spec: Gemma3Spec, tp_group, dtype: torch.dtype, layer: int = 0, moe: dict | None = None):
         super().__init__()
-        # What the compiled path keys its graphs by: local and global layers run other code.
-        self.graph_kind = spec.layer_types[layer]
-        self.self_attn = LlamaAttention(spec, tp_group, dtype, norm=GemmaNorm, scale=spec.query_pre_attn_scalar ** -0.5)
+        # Local layers take the local rope; the compiled path keys its graphs by each layer's window
+        # (compilation/chunk_program.py's `windows`), so a graph never serves a layer of the other kind.
+        self.local = spec.layer_types[layer] == SLIDING
+        self.self_attn = LlamaAttention(spec, tp_group, dtype, spec.window(layer), norm=GemmaNorm,
+                                        scale=spec.query_pre_attn_scalar ** -0.5)
         self.mlp = SwiGLUMLP(spec.hidden_size, spec.intermediate_size, tp_group, dtype=dtype,
                              activation="gelu_pytorch_tanh")
         for name in spec.layer_norm_names():
@@ -175,7 +179,7 @@ class Gemma3DecoderLayer(nn.Module):
     def forward(self, rope, hidden, residual, attn):
         cos, sin = rope  # Gemma3Rotary's: [..., global | local]
         half = cos.shape[-1] // 2
-        own = slice(half, None) if self.graph_kind == SLIDING else slice(0, half)
+        own = slice(half, None) if self.local else slice(0, half)
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
