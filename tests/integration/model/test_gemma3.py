@@ -41,7 +41,7 @@ def reference(checkpoint):
 
 @pytest.fixture(scope="module")
 def uni_outputs(checkpoint):
-    return engine_outputs(checkpoint, PROMPTS)
+    return engine_outputs(checkpoint, PROMPTS, enforce_eager=True)  # the compiled path: slow suite
 
 
 def problems_of(outputs, reference) -> list[str]:
