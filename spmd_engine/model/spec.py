@@ -8,6 +8,7 @@ collective exists.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -27,6 +28,11 @@ MAX_WIDTH = 1 << 20
 MAX_VOCAB = 1 << 24
 # The weight dtypes a config may declare (HF's names; "torch." prefixes allowed).
 CONFIG_DTYPES = ("float32", "float", "bfloat16", "float16", "half")
+# Families that read their own config.json, in their model file: "module:function", called as
+# function(cfg, source, architecture) -> a ModelSpec (or a subclass of it with the family's fields).
+FAMILY_SPECS = {
+    "Gemma3ForCausalLM": "spmd_engine.model.models.gemma3:gemma3_spec",
+}
 
 
 @dataclass(frozen=True)
@@ -60,11 +66,18 @@ class ModelSpec:
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and self.moe.is_sparse(layer)
 
+    def layer_norm_names(self) -> tuple[str, ...]:
+        """The RMSNorms of every decoder layer, by their checkpoint names."""
+        return ("input_layernorm", "post_attention_layernorm")
+
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, Any], source: str = "config.json") -> "ModelSpec":
         arch = architecture_of(cfg, source)
         # A class registered under a new name reads config.json as the built-in it names.
         family = ModelRegistry.config_architecture(arch)
+        if family in FAMILY_SPECS:
+            module, _, reader = FAMILY_SPECS[family].partition(":")
+            return getattr(importlib.import_module(module), reader)(cfg, source, arch)
 
         def need(key: str, most: int | None = None) -> int:
             value = cfg.get(key)

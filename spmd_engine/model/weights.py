@@ -263,8 +263,8 @@ def hf_tensor_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
               "lm_head.weight": (spec.vocab_size, h)}
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
+        shapes.update({p + norm + ".weight": (h,) for norm in spec.layer_norm_names()})
         shapes.update({
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
             p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
             p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
         })

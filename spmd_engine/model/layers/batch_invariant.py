@@ -221,6 +221,10 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     return pointwise(F.silu, x)
 
 
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return pointwise(functools.partial(F.gelu, approximate="tanh"), x)
+
+
 def row_sum(x: torch.Tensor) -> torch.Tensor:
     """Sum over the last dim: fixed chunks of SUM_CHUNK, then the chunks in order."""
     d = x.shape[-1]
@@ -229,10 +233,13 @@ def row_sum(x: torch.Tensor) -> torch.Tensor:
     return x.unflatten(-1, (-1, SUM_CHUNK)).sum(-1).cumsum(-1)[..., -1]
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF Llama's RMSNorm (float32, cast back, then scale) with `row_sum`'s mean."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
+    """HF Llama's RMSNorm (float32, cast back, then scale) with `row_sum`'s mean; with
+    `unit_offset` Gemma's (scaled by 1 + weight in float32, then cast)."""
     x32 = x.float()
     x32 = x32 * pointwise(torch.rsqrt, row_sum(x32 * x32).unsqueeze(-1) / x.shape[-1] + eps)
+    if unit_offset:
+        return (x32 * (1.0 + weight.float())).to(x.dtype)
     return weight * x32.to(x.dtype)
 
 

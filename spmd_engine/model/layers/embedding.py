@@ -8,6 +8,7 @@ vocabulary before anyone sees them.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -73,11 +74,13 @@ class ParallelLMHead(VocabParallelEmbedding):
     """The output projection, sharded like the embedding (so tied weights line up).
 
     `compute_logits` all-gathers the vocabulary slices, so every rank of the TP
-    group ends with the same full logits (sampling may then run anywhere).
+    group ends with the same full logits (sampling may then run anywhere). With `softcap`
+    (Gemma's final_logit_softcapping) they are squashed to softcap * tanh(logits / softcap).
     """
 
     packable_weight = True  # see packed_weights.py
     batch_invariant = False
+    softcap: float | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # pragma: no cover - guard
         raise RuntimeError("ParallelLMHead is used through compute_logits(hidden)")
@@ -85,13 +88,20 @@ class ParallelLMHead(VocabParallelEmbedding):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         local = (bi.linear if self.batch_invariant else linear)(hidden, self.weight)
         full = self.group.all_gather(local, dim=-1)
-        return full[..., : self.vocab_size].float()
+        logits = full[..., : self.vocab_size].float()
+        if self.softcap is None:
+            return logits
+        tanh = functools.partial(bi.pointwise, torch.tanh) if self.batch_invariant else torch.tanh
+        return tanh(logits / self.softcap) * self.softcap
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N] int64: each row's argmax of compute_logits(hidden), the same tokens. With one
         rank's vocabulary in the hand-written GEMM's layout (bf16 or fp32), the kernel scans the logits as it writes
         them (vnni_gemm.linear_argmax): no float copy, no second pass."""
-        if self.group.world_size == 1 and not self.batch_invariant and layout(self.weight) == "vnni":
+        # Not with a softcap: tanh can round two logits to one value, and the argmax must then
+        # be the capped logits' (the first of the tie), not the raw ones'.
+        if (self.group.world_size == 1 and not self.batch_invariant and self.softcap is None
+                and layout(self.weight) == "vnni"):
             return vnni_gemm.linear_argmax(hidden, self.weight, self.vocab_size)
         from spmd_engine.model.layers.greedy import greedy_tokens
         return greedy_tokens(self.compute_logits(hidden))

@@ -33,7 +33,11 @@ from spmd_engine.model.weights import CausalLMWeights
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, spec: ModelSpec, tp_group, dtype: torch.dtype, sliding_window: int | None = None):
+    """`norm` builds the per-head q/k norms (where spec.qk_norm), `scale` is the softmax's
+    (default head_dim ** -0.5): Gemma 3 passes its own of both (models/gemma3.py)."""
+
+    def __init__(self, spec: ModelSpec, tp_group, dtype: torch.dtype, sliding_window: int | None = None,
+                 norm=RMSNorm, scale: float | None = None):
         super().__init__()
         self.head_dim = spec.head_dim
         self.qkv_proj = QKVParallelLinear(spec.hidden_size, spec.head_dim, spec.num_heads, spec.num_kv_heads,
@@ -41,9 +45,10 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(spec.num_heads * spec.head_dim, spec.hidden_size, tp_group,
                                         bias=spec.o_bias, dtype=dtype)
         self.attn = Attention(self.qkv_proj.num_heads_per_rank, self.qkv_proj.num_kv_heads_per_rank,
-                              spec.head_dim, spec.head_dim ** -0.5, sliding_window)
-        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype=dtype) if spec.qk_norm else None
-        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype=dtype) if spec.qk_norm else None
+                              spec.head_dim, spec.head_dim ** -0.5 if scale is None else scale,
+                              sliding_window)
+        self.q_norm = norm(spec.head_dim, spec.rms_norm_eps, dtype=dtype) if spec.qk_norm else None
+        self.k_norm = norm(spec.head_dim, spec.rms_norm_eps, dtype=dtype) if spec.qk_norm else None
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
                 attn: AttentionMetadata | None):
@@ -92,20 +97,30 @@ class LlamaModel(nn.Module):
     """The `model.` prefix of HF checkpoints: embedding, this stage's layers, norm.
 
     One RotaryEmbedding serves every layer (it has no weights): its cos/sin
-    are computed once per step.
+    are computed once per step. A family's subclass names its own parts (the class
+    attributes below, `rotary`).
     """
+
+    embedding = VocabParallelEmbedding
+    decoder_layer = LlamaDecoderLayer
+    norm_class = RMSNorm
 
     def __init__(self, spec: ModelSpec, tp_group, layer_range: tuple[int, int], first: bool, last: bool,
                  dtype: torch.dtype, moe: dict | None = None):
         super().__init__()
-        self.embed_tokens = (VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp_group, dtype=dtype)
+        self.embed_tokens = (self.embedding(spec.vocab_size, spec.hidden_size, tp_group, dtype=dtype)
                              if first else None)
         # Keyed by the global layer index so parameter names match the checkpoint.
         self.layers = nn.ModuleDict(
-            {str(i): LlamaDecoderLayer(spec, tp_group, dtype, i, moe) for i in range(*layer_range)}
+            {str(i): self.decoder_layer(spec, tp_group, dtype, i, moe) for i in range(*layer_range)}
         )
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype) if last else None
-        self.rotary_emb = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling)
+        self.norm = self.norm_class(spec.hidden_size, spec.rms_norm_eps, dtype=dtype) if last else None
+        self.rotary_emb = self.rotary(spec)
+
+    @staticmethod
+    def rotary(spec: ModelSpec) -> nn.Module:
+        """What computes each step's rope tables (`cos_sin`), handed to every layer."""
+        return RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling)
 
 
 class CausalLM(CausalLMWeights, nn.Module):
@@ -131,6 +146,8 @@ class CausalLM(CausalLMWeights, nn.Module):
     # A subclass registered (model/registry.py) under an architecture name of its own: the
     # built-in architecture whose config.json reading it follows (None: LlamaForCausalLM's).
     hf_config_architecture: str | None = None
+    # The `model.` module's class: a family's subclass of LlamaModel (models/gemma3.py).
+    model_class = LlamaModel
 
     def __init__(self, hf_config: Mapping[str, Any], tp_group, pp_group, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", pp_partition: str | None = None, moe_group=None,
@@ -148,8 +165,8 @@ class CausalLM(CausalLMWeights, nn.Module):
                                                           pp_group.world_size, pp_partition)
         with torch.device(device):
             moe = dict(moe_group=moe_group, expert_parallel=expert_parallel, dispatch_group=dispatch_group)
-            self.model = LlamaModel(spec, tp_group, (self.start_layer, self.end_layer),
-                                    self.is_first_stage, self.is_last_stage, dtype, moe)
+            self.model = self.model_class(spec, tp_group, (self.start_layer, self.end_layer),
+                                          self.is_first_stage, self.is_last_stage, dtype, moe)
             self.lm_head = (ParallelLMHead(spec.vocab_size, spec.hidden_size, tp_group, dtype=dtype)
                             if self.is_last_stage else None)
         self.tie_weights()
