@@ -52,6 +52,16 @@ def _plain_broadcast(tensors: list[torch.Tensor]) -> float:
     return elapsed
 
 
+class _Discard:
+    """An update that keeps nothing: the receiver's side without the engine."""
+
+    def apply(self, pairs) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def _protocol_only(state: dict, reps: int) -> list[float]:
     """The same protocol (manifest, agreements, double-buffered buckets) into a bare receiver
     that applies nothing: what the transfer itself costs, without the engine's copy into its
@@ -70,7 +80,7 @@ def _protocol_only(state: dict, reps: int) -> list[float]:
         sender = threading.Thread(target=box["t"].send_weights, args=(state.items(),))
         t0 = time.perf_counter()
         sender.start()
-        receiver.receive(TransferUpdateInfo(), lambda m: None, lambda pairs: None)
+        receiver.receive(TransferUpdateInfo(), lambda m: None, lambda m: _Discard())
         sender.join()
         times.append(time.perf_counter() - t0)
     receiver.close()

@@ -71,6 +71,24 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
     return packed.permute(0, 2, 1, 3).reshape(dense_shape(packed)).contiguous()
 
 
+def write_rows(packed: torch.Tensor, start: int, src: torch.Tensor) -> None:
+    """Set rows [start, start + len(src)) of a packed weight to `src` ([n, K], any strides, any
+    float dtype) in place: the bytes `pack` of the whole updated weight would give, without
+    unpacking or allocating it. A block of 16 rows that `src` covers in part is unpacked,
+    written and packed again."""
+    n, k = src.shape
+    if n == 0:
+        return
+    p = packed.shape[3]
+    first, end = start // 16, -(-(start + n) // 16)
+    if start % 16 == 0 and n % 16 == 0:
+        packed[first:end].copy_(src.unflatten(0, (n // 16, 16)).unflatten(2, (k // p, p)).transpose(1, 2))
+        return
+    block = unpack(packed[first:end])
+    block[start - first * 16:start - first * 16 + n].copy_(src)
+    packed[first:end].copy_(pack(block))
+
+
 def dense_shape(packed: torch.Tensor) -> tuple[int, int]:
     return packed.shape[0] * 16, packed.shape[1] * packed.shape[3]
 

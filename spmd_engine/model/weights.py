@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import torch
 from torch import nn
 
-from spmd_engine.kernels.packed_weights import dense_shape, dense_weight, is_packed
+from spmd_engine.kernels.packed_weights import dense_shape, is_packed
 from spmd_engine.model.models.moe_block import hf_names, moe_tensor_shapes
 from spmd_engine.model.shard import Loaded
 from spmd_engine.model.spec import ModelSpec
@@ -88,55 +88,19 @@ class CausalLMWeights:
         another pipeline stage is skipped. Fused `qkv_proj` / `gate_up_proj`
         take their q/k/v and gate/up parts; with tied embeddings the embedding
         also feeds the LM head (and `lm_head.weight` is accepted for it).
-        Weights packed for oneDNN are unpacked, written and packed again.
+        Packed weights are written in place, or for oneDNN unpacked, written and packed again.
         Returns the names this rank copied from. The KV cache still holds keys
         and values of the old weights: callers reset the prefix cache.
         """
-        if isinstance(weights, Mapping):
-            weights = weights.items()
-        if self.weights_discarded:  # asleep at level 2: this load brings the weights back
-            self.allocate_discarded_weights()
-        shapes = hf_tensor_shapes(self.spec)
-        targets = self._update_targets()
-        dense: dict[nn.Module, torch.Tensor] = {}  # packed modules being written, by module
-        loaded: set[str] = set()
-        try:
-            for name, tensor in weights:
-                if not isinstance(name, str):
-                    raise ValueError(f"load_weights expects (name, tensor) pairs, got a name {name!r}")
-                if is_skipped_name(name):
-                    continue
-                if name not in shapes:
-                    raise ValueError(f"load_weights: unknown weight name {name!r} (not a tensor of this "
-                                     f"{self.spec.architecture} model)")
-                if hasattr(tensor, "full_tensor"):
-                    tensor = tensor.full_tensor()
-                if not isinstance(tensor, torch.Tensor):
-                    raise ValueError(f"load_weights: {name} is a {type(tensor).__name__}, not a tensor")
-                if tuple(tensor.shape) != shapes[name]:
-                    raise ValueError(f"load_weights: {name} has shape {list(tensor.shape)}, "
-                                     f"expected {list(shapes[name])}")
-                for param_name, shard_id in targets.get(name, ()):
-                    module_name, _, attr = param_name.rpartition(".")
-                    module = self.get_submodule(module_name)
-                    param = getattr(module, attr)
-                    if is_packed(param):
-                        param = dense.get(module)
-                        if param is None:
-                            param = dense[module] = dense_weight(getattr(module, attr))
-                    with torch.no_grad():
-                        module.weight_loader(param, tensor.detach(), shard_id)
-                    loaded.add(name)
-                    self._mark_written(name)
-        except Exception as exc:
-            if self._update_in_progress and self._update_error is None:
-                self._update_error = f"{type(exc).__name__}: {exc}"
-            raise
-        finally:
-            from spmd_engine.kernels.packed_weights import repack
-            for module, tensor in dense.items():
-                repack(module, tensor)
-        return loaded
+        with self.open_weight_update() as update:
+            return update.apply(weights)
+
+    def open_weight_update(self, expected: Iterable[str] | None = None):
+        """An in-place update applied over several calls (`.apply(pairs)`, update_weights'
+        contract; model/in_place_update.py); packs what is left when closed. `expected`: the
+        names the caller will send, each checked against the model beforehand."""
+        from spmd_engine.model.in_place_update import InPlaceUpdate
+        return InPlaceUpdate(self, expected)
 
     # ---- versioned updates (LLM.start_weight_update / finish_weight_update) ----
     _update_in_progress = False

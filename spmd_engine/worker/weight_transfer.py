@@ -43,7 +43,8 @@ class WorkerWeightTransfer:
         if reason is None:
             try:
                 self.receiver.receive(TransferUpdateInfo.from_dict(update_info),
-                                      lambda m: check_manifest(model, m), model.update_weights)
+                                      lambda m: check_manifest(model, m),
+                                      lambda m: model.open_weight_update(m.names))
                 return None
             except Exception as exc:
                 reason = f"{type(exc).__name__}: {exc}"

@@ -7,6 +7,11 @@ the tensor sizes (a tensor larger than a bucket simply spans several). Each tens
 an ALIGN-byte boundary, so the part of it inside one bucket can be viewed as its dtype in
 place. The manifest is JSON (names, dtype names, shapes, and the shared-memory reference of
 the ipc backend): nothing a peer sends is unpickled.
+
+Why segments: a bucket is sent as several broadcasts (`segments`), so that a large piece goes
+from the trainer's tensor straight onto the wire and, when its tensor spans buckets, straight
+into the receiver's buffer for that tensor; only small pieces are copied into the bucket, where
+one broadcast carries many of them. Both sides derive the same segments from the manifest.
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ from dataclasses import dataclass
 import torch
 
 ALIGN = 16
+# A piece at least this large is its own broadcast (no copy into the bucket); smaller ones are
+# gathered, since a broadcast's fixed cost would outweigh copying them.
+DIRECT_BYTES = 1 << 18
 MAX_MANIFEST_BYTES = 64 << 20
 # The dtypes a weight may travel in (by vLLM's dtype names: str(torch.float32) without "torch.").
 DTYPES = {name: getattr(torch, name) for name in ("float32", "float16", "bfloat16", "float64")}
@@ -116,13 +124,52 @@ def bucket_plan(manifest: Manifest) -> list[list[Piece]]:
     return buckets
 
 
-def pack(bucket: torch.Tensor, pieces: list[Piece], tensors: list[torch.Tensor]) -> int:
-    """Copy the pieces of `tensors` (contiguous, on the bucket's device) into the uint8 `bucket`;
-    returns the bucket's used length."""
-    end = 0
+@dataclass(frozen=True)
+class Segment:
+    """One broadcast: bytes [bucket_offset, +length) of a bucket. `direct`: a single piece sent
+    from its tensor's own bytes (`source`); otherwise its pieces are packed into the bucket."""
+
+    bucket_offset: int
+    length: int
+    pieces: tuple[Piece, ...]
+    direct: bool
+
+
+def segments(pieces: list[Piece], sizes: list[int]) -> list[Segment]:
+    """A bucket's broadcasts, in stream order (pure: both sides compute the same ones). A piece
+    of a tensor spanning buckets is always direct, so it lands in that tensor's own buffer."""
+    out: list[Segment] = []
+    run: list[Piece] = []
+
+    def gather() -> None:
+        if run:
+            start = run[0].bucket_offset
+            out.append(Segment(start, run[-1].bucket_offset + run[-1].length - start, tuple(run), False))
+            run.clear()
     for p in pieces:
-        src = tensors[p.index].reshape(-1).view(torch.uint8)[p.tensor_offset:p.tensor_offset + p.length]
-        bucket[p.bucket_offset:p.bucket_offset + p.length].copy_(src)
+        if p.length >= DIRECT_BYTES or p.length != sizes[p.index]:
+            gather()
+            out.append(Segment(p.bucket_offset, p.length, (p,), True))
+        else:
+            run.append(p)
+    gather()
+    return out
+
+
+def source(p: Piece, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The bytes of piece `p` in its (contiguous) tensor, as a uint8 view."""
+    return tensors[p.index].reshape(-1).view(torch.uint8)[p.tensor_offset:p.tensor_offset + p.length]
+
+
+def pack(bucket: torch.Tensor, pieces: list[Piece] | tuple[Piece, ...], tensors: list[torch.Tensor]) -> int:
+    """Copy the pieces of `tensors` (contiguous, on the bucket's device) into the uint8 `bucket`,
+    zeroing the alignment gaps between them (no stale bytes of the sender go out); returns the
+    end of the last piece."""
+    end = pieces[0].bucket_offset if pieces else 0
+    for p in pieces:
+        if p.bucket_offset > end:
+            bucket[end:p.bucket_offset].zero_()
+        bucket[p.bucket_offset:p.bucket_offset + p.length].copy_(source(p, tensors))
         end = p.bucket_offset + p.length
     return end
 
@@ -130,25 +177,41 @@ def pack(bucket: torch.Tensor, pieces: list[Piece], tensors: list[torch.Tensor])
 class Unpacker:
     """Turns buckets back into tensors: `feed(k, bucket)` returns the (name, tensor) pairs that
     bucket completes. A tensor wholly inside a bucket is a view of it (valid until the bucket is
-    reused: apply it first); one that spans buckets is assembled in a buffer of its own."""
+    reused: apply it first); one that spans buckets is assembled in a buffer of its own, either
+    received there directly (`destination`) or copied there from the bucket by `feed`."""
 
     def __init__(self, manifest: Manifest, device: torch.device | str = "cpu"):
         self.manifest, self.device = manifest, device
         self.plan = bucket_plan(manifest)
         self.sizes = manifest.nbytes()
+        self.segments = [segments(pieces, self.sizes) for pieces in self.plan]
         self._partial: dict[int, torch.Tensor] = {}
+        self._received: set[Piece] = set()  # pieces already in their tensor's buffer
+
+    def destination(self, segment: Segment, bucket: torch.Tensor) -> torch.Tensor:
+        """Where a segment's broadcast should land: its range of the bucket, or for a piece of a
+        tensor spanning buckets, its range of that tensor's buffer (no copy later)."""
+        p = segment.pieces[0]
+        if segment.direct and p.length != self.sizes[p.index]:
+            self._received.add(p)
+            return self._buffer(p.index)[p.tensor_offset:p.tensor_offset + p.length]
+        return bucket[segment.bucket_offset:segment.bucket_offset + segment.length]
+
+    def _buffer(self, index: int) -> torch.Tensor:
+        buf = self._partial.get(index)
+        if buf is None:
+            buf = self._partial[index] = torch.empty(self.sizes[index], dtype=torch.uint8, device=self.device)
+        return buf
 
     def feed(self, k: int, bucket: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         out = []
         for p in self.plan[k]:
-            chunk = bucket[p.bucket_offset:p.bucket_offset + p.length]
             if p.length == self.sizes[p.index]:
-                raw = chunk
+                raw = bucket[p.bucket_offset:p.bucket_offset + p.length]
             else:
-                buf = self._partial.get(p.index)
-                if buf is None:
-                    buf = self._partial[p.index] = torch.empty(self.sizes[p.index], dtype=torch.uint8, device=self.device)
-                buf[p.tensor_offset:p.tensor_offset + p.length].copy_(chunk)
+                buf = self._buffer(p.index)
+                if p not in self._received:
+                    buf[p.tensor_offset:p.tensor_offset + p.length].copy_(bucket[p.bucket_offset:p.bucket_offset + p.length])
                 if p.tensor_offset + p.length < self.sizes[p.index]:
                     continue
                 raw = self._partial.pop(p.index)

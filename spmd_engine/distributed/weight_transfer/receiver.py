@@ -1,10 +1,12 @@
 """An engine rank's side of the transfer: join the trainer's group, then per update receive
 the manifest, check it, and apply the buckets as they arrive.
 
-Every engine rank receives the whole stream and keeps its own TP / PP / EP shard: `apply`
+Every engine rank receives the whole stream and keeps its own TP / PP / EP shard: the update
 is the model's in-place update of full HF-named tensors (the same path as load_weights), so
-a bucket's tensors are copied into this rank's shard and the bucket is reused. Nothing here
-knows the model: the worker passes `check(manifest) -> reason | None` and `apply(pairs)`.
+a bucket's tensors are copied into this rank's shard while the next bucket arrives, and the
+bucket is reused. Nothing here knows the model: the worker passes `check(manifest) -> reason
+| None` and `open_update(manifest)`, an update whose `apply(pairs)` takes each bucket's tensors
+and whose `close()` finishes what is left (called on success and on failure).
 A failed group (a peer died or hung) refuses every later update until a new init.
 """
 
@@ -30,7 +32,7 @@ class WeightReceiver:
     def failed(self) -> str | None:
         return self.group.failed if self.group is not None else "shut down"
 
-    def receive(self, update_info: TransferUpdateInfo, check, apply) -> int:
+    def receive(self, update_info: TransferUpdateInfo, check, open_update) -> int:
         """One update; returns the number of tensors applied. A refused manifest is a ValueError
         naming the reason (the group stays usable); a failed group a TransferError."""
         manifest = Manifest.decode(self.group.recv_bytes(MAX_MANIFEST_BYTES, "receiving the manifest"))
@@ -44,55 +46,83 @@ class WeightReceiver:
                 segment.close()
             raise ValueError(f"weight update refused: {verdict}")
         unpack = Unpacker(manifest, self.device)
+        update = open_update(manifest)
         failure: str | None = None
         applied = 0
 
-        def consume(k: int, bucket: torch.Tensor) -> None:
+        def consume(k: int, bucket: torch.Tensor) -> str | None:
             nonlocal failure, applied
             pairs = unpack.feed(k, bucket)
             if failure is None and pairs:
                 try:
-                    apply(pairs)
+                    update.apply(pairs)
                     applied += len(pairs)
                 except Exception as exc:  # keep receiving: the trainer learns it at the end
                     failure = f"{type(exc).__name__}: {exc}"
+            return failure
         try:
             if segment is not None:
-                shared = torch.frombuffer(segment.mm, dtype=torch.uint8)
-                for k in range(len(unpack.plan)):
-                    index = torch.zeros(1, dtype=torch.int64)
-                    self.group.broadcast(index, f"bucket {k} ready")
-                    if int(index) != k:
-                        raise TransferError(f"bucket {int(index)} announced where {k} was due")
-                    consume(k, shared.to(self.device) if self.device.type != "cpu" else shared)
-                    verdict = self.group.agree(failure, f"bucket {k} read")
-                    if verdict:
-                        raise TransferError(f"weight update failed: {verdict}")
-                del shared
+                self._from_shared(segment, unpack, consume)
             else:
-                # Two buffers: bucket k+1 arrives while bucket k is applied.
-                plan = unpack.plan
-                buffers = [torch.empty(manifest.bucket_bytes, dtype=torch.uint8, device=self.group.device)
-                           for _ in range(min(2, len(plan)))]
-                used = [pieces[-1].bucket_offset + pieces[-1].length for pieces in plan]
-                works = [self.group.broadcast_async(buffers[0][:used[0]], "bucket 0")] if plan else []
-                for k in range(len(plan)):
-                    if k + 1 < len(plan):
-                        works.append(self.group.broadcast_async(buffers[(k + 1) % 2][:used[k + 1]], f"bucket {k + 1}"))
-                    self.group.wait(works[k], f"bucket {k}")
-                    consume(k, buffers[k % 2][:used[k]])
-            verdict = self.group.agree(failure, "applying the weights")
+                self._from_group(manifest, unpack, consume)
+        except BaseException:
+            _close(update)  # the stream's error is the one to report
+            raise
         finally:
             if segment is not None:
                 segment.close()
+        failure = failure or _close(update)
+        verdict = self.group.agree(failure, "applying the weights")
         if verdict:
             raise TransferError(f"weight update failed: {verdict}")
         return applied
+
+    def _from_group(self, manifest: Manifest, unpack: Unpacker, consume) -> None:
+        """Each bucket's segments broadcast into one of two buffers (or a spanning tensor's own
+        buffer): bucket k+1 arrives while bucket k is applied."""
+        plan = unpack.plan
+        buffers = [torch.empty(manifest.bucket_bytes, dtype=torch.uint8, device=self.group.device)
+                   for _ in range(min(2, len(plan)))]
+
+        def post(k: int) -> list:
+            return [self.group.broadcast_async(unpack.destination(seg, buffers[k % 2]), f"bucket {k}")
+                    for seg in unpack.segments[k]]
+        works = [post(0)] if plan else []
+        for k in range(len(plan)):
+            if k + 1 < len(plan):
+                works.append(post(k + 1))
+            for work in works[k]:
+                self.group.wait(work, f"bucket {k}")
+            consume(k, buffers[k % 2])
+
+    def _from_shared(self, segment, unpack: Unpacker, consume) -> None:
+        """The ipc backend: the trainer fills the shared segment bucket by bucket, announcing
+        each; every rank reads it, and all agree before the trainer writes the next."""
+        shared = torch.frombuffer(segment.mm, dtype=torch.uint8)
+        for k in range(len(unpack.plan)):
+            index = torch.zeros(1, dtype=torch.int64)
+            self.group.broadcast(index, f"bucket {k} ready")
+            if int(index) != k:
+                raise TransferError(f"bucket {int(index)} announced where {k} was due")
+            failure = consume(k, shared.to(self.device) if self.device.type != "cpu" else shared)
+            verdict = self.group.agree(failure, f"bucket {k} read")
+            if verdict:
+                raise TransferError(f"weight update failed: {verdict}")
+        del shared
 
     def close(self) -> None:
         group, self.group = self.group, None
         if group is not None:
             group.close()
+
+
+def _close(update) -> str | None:
+    """Close the model's update (it packs what it holds); a failure there fails the update."""
+    try:
+        update.close()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def _against_update_info(manifest: Manifest, info: TransferUpdateInfo) -> str | None:

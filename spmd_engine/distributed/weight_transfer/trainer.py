@@ -21,7 +21,7 @@ import torch
 
 from spmd_engine.distributed.weight_transfer.config import SENDER_RANK, TransferInitInfo
 from spmd_engine.distributed.weight_transfer.group import TransferError, TransferGroup, host_store
-from spmd_engine.distributed.weight_transfer.packing import Manifest, bucket_plan, pack
+from spmd_engine.distributed.weight_transfer.packing import Manifest, bucket_plan, pack, segments, source
 
 
 class WeightTransferRefused(ValueError):
@@ -108,18 +108,30 @@ class TrainerWeightTransferEngine:
             return
         dev = self.group.device
         tensors = [t.to(dev) for t in tensors]
-        # Two buffers: bucket k is packed while bucket k-1 is on the wire.
+        sizes = manifest.nbytes()
+        # Large pieces go out from the tensors themselves; small ones are packed into one of two
+        # buffers (untouched pages cost nothing), so bucket k is packed while k-1 is on the wire.
         buffers = [torch.empty(manifest.bucket_bytes, dtype=torch.uint8, device=dev)
                    for _ in range(min(2, len(plan)))]
-        works: list = []
+        works: list[list] = []
         for k, pieces in enumerate(plan):
             if k >= 2:
-                self.group.wait(works[k - 2], f"bucket {k - 2}")
-            bucket = buffers[k % 2]
-            used = pack(bucket, pieces, tensors)
-            works.append(self.group.broadcast_async(bucket[:used], f"bucket {k}"))
+                self._wait_all(works[k - 2], k - 2)
+            bucket, sent = buffers[k % 2], []
+            for seg in segments(pieces, sizes):
+                if seg.direct:
+                    data = source(seg.pieces[0], tensors)
+                else:
+                    pack(bucket, seg.pieces, tensors)
+                    data = bucket[seg.bucket_offset:seg.bucket_offset + seg.length]
+                sent.append(self.group.broadcast_async(data, f"bucket {k}"))
+            works.append(sent)
         for k in range(max(0, len(plan) - 2), len(plan)):
-            self.group.wait(works[k], f"bucket {k}")
+            self._wait_all(works[k], k)
+
+    def _wait_all(self, works: list, k: int) -> None:
+        for work in works:
+            self.group.wait(work, f"bucket {k}")
 
     def shutdown(self) -> None:
         """Leave the group and close the store (the engines' next update fails at once; they
