@@ -34,6 +34,7 @@ from spmd_engine import forward_context
 from spmd_engine.forward_context import COMPILED
 from spmd_engine.kernels import decode_attention as decode_kernel
 from spmd_engine.model.layers import batch_invariant as bi
+from spmd_engine.model.layers import sink_attention
 
 PAD_LIMIT = 1.25  # a group's padded queries may exceed its real ones by at most this factor
 
@@ -254,12 +255,15 @@ class Attention(nn.Module):
     With metadata: q [N, num_heads, D], k and v [N, num_kv_heads, D] packed
     tokens (after RoPE); returns [N, num_heads * D]. With `attn=None` there
     is no cache: batched [B, T, heads, D] inputs attend causally within each
-    row (training, references); returns [B, T, num_heads * D].
+    row (training, references); returns [B, T, num_heads * D]. `sinks` (gpt-oss): an
+    AttentionSinks module, its per-head logits in every softmax (sink_attention.py, which
+    every path then goes through).
     """
 
     batch_invariant = False  # without a cache: batch_invariant.causal_attention
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sinks: nn.Module | None = None):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} KV heads evenly")
@@ -267,6 +271,7 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.sinks = sinks
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self.uses_decode_kernel = False  # decode_attention's kernel for traced decode steps (set_kv_cache)
@@ -283,6 +288,8 @@ class Attention(nn.Module):
         self.uses_decode_kernel = k_cache is not None and decode_kernel.usable(k_cache.device)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttentionMetadata | None):
+        if self.sinks is not None:
+            return self._with_sinks(q, k, v, attn)
         if attn is None:
             B, T = q.shape[:2]
             if self.batch_invariant:
@@ -297,6 +304,19 @@ class Attention(nn.Module):
         if attn is COMPILED:  # traced: the metadata comes through forward_context
             return torch.ops.spmd_engine.attention(q, k, v, self.k_cache, self.v_cache, self.scale)
         return paged_attention(q, k, v, self.k_cache, self.v_cache, attn, self.scale)
+
+    def _with_sinks(self, q, k, v, attn) -> torch.Tensor:
+        sinks = self.sinks.weight
+        if attn is None:
+            B, T = q.shape[:2]
+            out = (bi.causal_attention(q, k, v, self.scale, sinks=sinks) if self.batch_invariant
+                   else sink_attention.causal(q, k, v, sinks, self.scale))
+            return out.reshape(B, T, self.num_heads * self.head_dim)
+        if self.k_cache is None:
+            raise RuntimeError("KV cache not allocated: the model runner allocates it before the first step")
+        if attn is COMPILED:
+            return torch.ops.spmd_engine.sink_attention(q, k, v, self.k_cache, self.v_cache, sinks, self.scale)
+        return sink_attention.paged(q, k, v, self.k_cache, self.v_cache, attn, sinks, self.scale)
 
     def _causal(self, q, k, v) -> torch.Tensor:
         group = self.num_heads // self.num_kv_heads
