@@ -30,6 +30,12 @@ def _attention(layer) -> nn.Module:
     return next(m for m in layer.modules() if hasattr(m, "k_cache") and hasattr(m, "v_cache"))
 
 
+def windows(chunk: tuple) -> tuple:
+    """The chunk's layers' sliding windows (None: full attention): part of what decides its graph,
+    each layer's window being a constant in it."""
+    return tuple(getattr(_attention(layer), "sliding_window", None) for layer in chunk)
+
+
 class ChunkProgram(nn.Module):
     """`forward(weights, caches, cos, sin, hidden, residual, decode)` runs the chunk's layers as
     compiled_layers' `_chunk_step` does (with `norm`, the final RMSNorm, applied to the result as

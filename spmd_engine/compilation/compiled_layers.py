@@ -61,7 +61,7 @@ import weakref
 import torch
 
 from spmd_engine.compilation import precompiled
-from spmd_engine.compilation.chunk_program import ChunkProgram
+from spmd_engine.compilation.chunk_program import ChunkProgram, windows
 from spmd_engine.forward_context import COMPILED, set_forward_context, set_lora_chunk
 from spmd_engine.kernels.packed_weights import eager_linear
 
@@ -189,11 +189,17 @@ class CompiledLayers:
         if self.ahead:
             self.programs = [ChunkProgram(chunk, self.norm) for chunk in self.chunks]
             return
-        self.code = _chunk_step.__code__.replace()  # this model's own dynamo cache
-        step = types.FunctionType(self.code, _chunk_step.__globals__, "_chunk_step")
+        # One dynamo cache per chunk's sliding windows (its guards skip the modules, so a graph
+        # traced for one chunk's windows must never serve a chunk of other windows).
+        self.codes, self.fns = {}, {}
         options = {"guard_filter_fn": _skip_module_guards}
         kwargs = {"mode": mode} if mode and backend == "inductor" else {}
-        self.fn = torch.compile(step, backend=backend, fullgraph=True, dynamic=None, options=options, **kwargs)
+        for chunk in self.chunks:
+            if (key := windows(chunk)) not in self.fns:
+                self.codes[key] = _chunk_step.__code__.replace()  # this model's own dynamo cache
+                step = types.FunctionType(self.codes[key], _chunk_step.__globals__, "_chunk_step")
+                self.fns[key] = torch.compile(step, backend=backend, fullgraph=True, dynamic=None, options=options,
+                                              **kwargs)
 
     def mark_caches_dynamic(self, attention_layers) -> None:
         """A traced graph serves any number of KV blocks: the caches' first dim is dynamic.
@@ -213,7 +219,7 @@ class CompiledLayers:
         if self.ahead:
             return len(self.built)
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-        return len(_debug_get_cache_entry_list(self.code))
+        return sum(len(_debug_get_cache_entry_list(code)) for code in self.codes.values())
 
     def applies(self, attn) -> bool:
         """Whether this step runs compiled: enough tokens, and not a one-token step other than
@@ -245,11 +251,12 @@ class CompiledLayers:
                     torch._dynamo.maybe_mark_dynamic(decode[1], 1)  # the block tables
                 for chunk, loras in zip(self.chunks, self.chunk_loras):
                     with set_lora_chunk(loras):
-                        hidden, residual, *normed = self.fn(chunk, cos, sin, hidden, residual, decode, self.norm)
+                        hidden, residual, *normed = self.fns[windows(chunk)](chunk, cos, sin, hidden, residual,
+                                                                             decode, self.norm)
                 return hidden, residual, (normed or [None])[0]
             kind = (hidden.shape[0] == 1, decode is not None)
             for chunk, program, loras in zip(self.chunks, self.programs, self.chunk_loras):
-                package = self.built.get((len(chunk), *kind)) or self._build(program, cos, sin, hidden, residual,
+                package = self.built.get((len(chunk), windows(chunk), *kind)) or self._build(program, cos, sin, hidden, residual,
                                                                               decode, *kind)
                 flat = program.flat_inputs(cos, sin, hidden, residual, decode)
                 if package.accepts(flat):
@@ -266,7 +273,8 @@ class CompiledLayers:
         from disk, or exported, built and saved now (or, if another process was building it,
         from disk once it is done)."""
         chunk = program.chunk
-        key = precompiled.digest(self.model_ref(), len(chunk), self.backend, self.mode, single, is_decode)
+        key = precompiled.digest(self.model_ref(), len(chunk), self.backend, self.mode, single, is_decode,
+                                 windows(chunk))
         path = precompiled.path_for(key)
         package, built = precompiled.load(path), False
         if package is None:
@@ -277,7 +285,7 @@ class CompiledLayers:
                     package, built = precompiled.build_and_save(program, *example, self.mode, path), True
         if not built:
             self.loaded.append(str(path))
-        self.built[len(chunk), single, is_decode] = package
+        self.built[len(chunk), windows(chunk), single, is_decode] = package
         return package
 
     def _eager(self, chunk, cos, sin, hidden, residual, attn):

@@ -88,9 +88,10 @@ def _source_digest() -> str:
 
 
 def digest(model, chunk_length: int, backend: str, mode: str | None, single: bool = False,
-           decode: bool = False) -> str:
+           decode: bool = False, windows: tuple = ()) -> str:
     """What decides a chunk's graph, hashed (the module docstring lists it); `single`: the graph
-    of one-token steps; `decode`: of decode-shaped steps (attention traced)."""
+    of one-token steps; `decode`: of decode-shaped steps (attention traced); `windows`: the
+    chunk's layers' sliding windows."""
     first = next(iter(model.model.layers.values()))
     packed = tuple(layout(m.weight) for m in first.modules() if getattr(m, "packable_weight", False))
     kernel = decode and decode_attention.usable(model.device)  # the graph calls the kernel's op
@@ -100,6 +101,8 @@ def digest(model, chunk_length: int, backend: str, mode: str | None, single: boo
              torch.get_num_threads(), _source_digest(), repr(model.spec), str(model.dtype), model.device.type,
              model.tp_group.world_size, groups, packed, chunk_length, backend, mode, single, decode, kernel,
              model.model.norm is not None, lora)  # the last stage's graphs end in the final norm
+    if any(w is not None for w in windows):  # (full attention keeps its packages' names)
+        facts += (windows,)
     return hashlib.sha256(repr(facts).encode()).hexdigest()[:32]
 
 

@@ -1,5 +1,6 @@
 // Attention for a decode-shaped step over the paged KV cache: every token is one request's new
-// token, its K/V written to its slot first, then it attends to its request's first seq_len keys.
+// token, its K/V written to its slot first, then it attends to its request's first seq_len keys
+// (a sliding-window layer: only the last `window` of them, the keys its window still sees).
 // decode_attention.py builds it (g++ -march=native) and registers its shape function.
 //
 // Why: traced, the same work became inductor loops that reduce each score with a horizontal sum
@@ -143,15 +144,15 @@ inline __m512 sixteen_sums(const __m512* half) {
 }
 
 template <typename T, int DV, int GB>
-inline void heads(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t L, int64_t KV,
-                  int64_t g, int64_t BS, float scale, float* scores, int64_t stride, T* out) {
+inline void heads(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t J0, int64_t L,
+                  int64_t KV, int64_t g, int64_t BS, float scale, float* scores, int64_t stride, T* out) {
   constexpr int64_t D = DV * 16;
   __m512 r[GB][DV];
 #pragma GCC unroll 8
   for (int h = 0; h < GB; ++h)
 #pragma GCC unroll 8
     for (int v = 0; v < DV; ++v) r[h][v] = load16(q + h * D + v * 16);
-  int64_t j = 0;
+  int64_t j = J0;
   for (; j + 16 <= L; j += 16) {  // sixteen keys at a time, their first round kept in L1
     __m512 half[GB][8];
     for (int p = 0; p < 8; ++p) {
@@ -172,12 +173,12 @@ inline void heads(const T* q, const T* k_cache, const T* v_cache, const int64_t*
     for (int h = 0; h < GB; ++h) scores[h * stride + j] = _mm512_reduce_add_ps(acc[h]) * scale;
   }
   float inv[GB];
-  for (int h = 0; h < GB; ++h) inv[h] = 1.0f / softmax_numerators(scores + h * stride, L);
+  for (int h = 0; h < GB; ++h) inv[h] = 1.0f / softmax_numerators(scores + h * stride + J0, L - J0);
 #pragma GCC unroll 8
   for (int h = 0; h < GB; ++h)
 #pragma GCC unroll 8
     for (int v = 0; v < DV; ++v) r[h][v] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < L; ++j) {
+  for (int64_t j = J0; j < L; ++j) {
     __m512 vr[DV];
     load_row<T, DV>(v_cache, table, j, KV, g, BS, vr);
 #pragma GCC unroll 8
@@ -196,15 +197,15 @@ inline void heads(const T* q, const T* k_cache, const T* v_cache, const int64_t*
 
 // One (token, KV head) pair's G query heads, GB at a time (a tail of fewer by one at a time).
 template <typename T, int DV>
-inline void pair(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t L, int64_t KV,
-                 int64_t g, int64_t G, int64_t BS, float scale, float* scores, int64_t stride, T* out) {
+inline void pair(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t J0, int64_t L,
+                 int64_t KV, int64_t g, int64_t G, int64_t BS, float scale, float* scores, int64_t stride, T* out) {
   constexpr int GB = DV <= 4 ? 4 : 2;  // GB * DV accumulators: 16 of the 32 registers
   constexpr int64_t D = DV * 16;
   int64_t h = 0;
   for (; h + GB <= G; h += GB)
-    heads<T, DV, GB>(q + h * D, k_cache, v_cache, table, L, KV, g, BS, scale, scores, stride, out + h * D);
+    heads<T, DV, GB>(q + h * D, k_cache, v_cache, table, J0, L, KV, g, BS, scale, scores, stride, out + h * D);
   for (; h < G; ++h)
-    heads<T, DV, 1>(q + h * D, k_cache, v_cache, table, L, KV, g, BS, scale, scores, stride, out + h * D);
+    heads<T, DV, 1>(q + h * D, k_cache, v_cache, table, J0, L, KV, g, BS, scale, scores, stride, out + h * D);
 }
 
 }  // namespace fast
@@ -229,7 +230,7 @@ inline float exp_nonpositive(float x) {
 template <typename T>
 void attend(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int64_t* tables,
             const int64_t* seq_lens, T* out, int64_t N, int64_t H, int64_t KV, int64_t D, int64_t BS, int64_t nb,
-            float scale) {
+            float scale, int64_t window) {
   const int64_t G = H / KV;
   int64_t longest = 0;
   for (int64_t n = 0; n < N; ++n) longest = std::max(longest, seq_lens[n]);
@@ -240,23 +241,24 @@ void attend(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, co
     std::vector<float> qf(G * D), row(D), scores(G * longest), acc(G * D), sums(G);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n = item / KV, g = item % KV, L = std::min(seq_lens[n], nb * BS);
+      const int64_t J0 = window > 0 ? std::max<int64_t>(0, L - window) : 0;  // the first key in the window
       const int64_t* table = tables + n * nb;
       const T* qn = q + n * q_stride + g * G * D;  // the G query heads sharing KV head g
       T* on = out + (n * H + g * G) * D;
 #ifdef __AVX512F__
       if constexpr (!std::is_same_v<T, double>) {
         if (D == 64) {
-          fast::pair<T, 4>(qn, k_cache, v_cache, table, L, KV, g, G, BS, scale, scores.data(), longest, on);
+          fast::pair<T, 4>(qn, k_cache, v_cache, table, J0, L, KV, g, G, BS, scale, scores.data(), longest, on);
           continue;
         }
         if (D == 128) {
-          fast::pair<T, 8>(qn, k_cache, v_cache, table, L, KV, g, G, BS, scale, scores.data(), longest, on);
+          fast::pair<T, 8>(qn, k_cache, v_cache, table, J0, L, KV, g, G, BS, scale, scores.data(), longest, on);
           continue;
         }
       }
 #endif
       to_float(qn, qf.data(), G * D);
-      for (int64_t j = 0; j < L; ++j) {
+      for (int64_t j = J0; j < L; ++j) {
         to_float(k_cache + cache_row(table, j, BS, KV, g, D), row.data(), D);
         for (int64_t h = 0; h < G; ++h) {
           float dot = 0.0f;
@@ -266,17 +268,17 @@ void attend(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, co
       }
       for (int64_t h = 0; h < G; ++h) {
         float* s = scores.data() + h * longest;
-        float top = s[0];
-        for (int64_t j = 1; j < L; ++j) top = std::max(top, s[j]);
+        float top = s[J0];
+        for (int64_t j = J0 + 1; j < L; ++j) top = std::max(top, s[j]);
         float total = 0.0f;
-        for (int64_t j = 0; j < L; ++j) {
+        for (int64_t j = J0; j < L; ++j) {
           s[j] = exp_nonpositive(s[j] - top);
           total += s[j];
         }
         sums[h] = total;
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t j = 0; j < L; ++j) {
+      for (int64_t j = J0; j < L; ++j) {
         to_float(v_cache + cache_row(table, j, BS, KV, g, D), row.data(), D);
         for (int64_t h = 0; h < G; ++h) {
           const float p = scores[h * longest + j];
@@ -304,12 +306,13 @@ at::Tensor as_long(const at::Tensor& x) {
 }
 
 // q [N, H, D], k and v [N, KV, D] (this step's new tokens), caches [blocks, BS, KV, D] (written at
-// `slots`, [N]), block_tables [N, nb], seq_lens [N] (keys each token sees, its own included).
+// `slots`, [N]), block_tables [N, nb], seq_lens [N] (keys each token sees, its own included),
+// window: a sliding-window layer's width (the token sees its last `window` keys only), 0: none.
 // Returns [N, H * D]. The caches are written in place: the schema says nothing of it, as for
 // spmd_engine::attention (no code of the graph reads a cache but this op).
 at::Tensor decode(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& k_cache,
                   const at::Tensor& v_cache, const at::Tensor& slots_in, const at::Tensor& tables_in,
-                  const at::Tensor& lens_in, double scale) {
+                  const at::Tensor& lens_in, double scale, int64_t window) {
   TORCH_CHECK(q_in.dim() == 3 && k_in.dim() == 3 && v_in.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
               "decode attention: q, k, v [N, heads, D] and caches [blocks, block_size, kv_heads, D]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "decode attention: contiguous caches");
@@ -330,10 +333,12 @@ at::Tensor decode(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tens
   const int64_t* sl = slots.data_ptr<int64_t>();
   const int64_t* tb = tables.data_ptr<int64_t>();
   const int64_t* ln = lens.data_ptr<int64_t>();
+  TORCH_CHECK(window >= 0, "decode attention: a negative window");
   for (int64_t n = 0; n < N; ++n) {
     TORCH_CHECK(sl[n] >= 0 && sl[n] < blocks * BS, "decode attention: slot ", sl[n], " outside the cache");
     TORCH_CHECK(ln[n] >= 1 && ln[n] <= nb * BS, "decode attention: ", ln[n], " keys for a table of ", nb, " blocks");
-    for (int64_t b = 0; b < (ln[n] + BS - 1) / BS; ++b)
+    const int64_t first = window > 0 ? std::max<int64_t>(0, ln[n] - window) / BS : 0;  // out of the window: unread
+    for (int64_t b = first; b < (ln[n] + BS - 1) / BS; ++b)
       TORCH_CHECK(tb[n * nb + b] >= 0 && tb[n * nb + b] < blocks, "decode attention: block ", tb[n * nb + b],
                   " outside the cache");
   }
@@ -347,7 +352,7 @@ at::Tensor decode(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tens
       std::memcpy(vc + sl[n] * row, v.data_ptr<scalar_t>() + n * v.stride(0), row * sizeof(scalar_t));
     }
     attend<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), kc, vc, tb, ln, out.data_ptr<scalar_t>(), N, H, KV, D,
-                     BS, nb, static_cast<float>(scale));
+                     BS, nb, static_cast<float>(scale), window);
   });
   return out;
 }
@@ -356,7 +361,7 @@ at::Tensor decode(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tens
 
 TORCH_LIBRARY(spmd_decode_attention, m) {
   m.def("decode(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor block_tables, "
-        "Tensor seq_lens, float scale) -> Tensor");
+        "Tensor seq_lens, float scale, int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(spmd_decode_attention, CPU, m) {

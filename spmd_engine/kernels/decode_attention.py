@@ -42,11 +42,13 @@ def usable(device) -> bool:
 
 
 def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-           step: tuple, scale: float) -> torch.Tensor:
+           step: tuple, scale: float, window: int | None = None) -> torch.Tensor:
     """attention.decode_attention's contract: q [N, heads, D], k and v [N, kv_heads, D], `step`
-    a DecodeStep (slots, block tables, sequence lengths); returns [N, heads * D]."""
+    a DecodeStep (slots, block tables, sequence lengths), `window` a sliding-window layer's
+    width (None: every key); returns [N, heads * D]."""
     slots, block_tables, seq_lens = step
-    return torch.ops.spmd_decode_attention.decode(q, k, v, k_cache, v_cache, slots, block_tables, seq_lens, scale)
+    return torch.ops.spmd_decode_attention.decode(q, k, v, k_cache, v_cache, slots, block_tables, seq_lens, scale,
+                                                  window or 0)
 
 
 @functools.lru_cache(maxsize=None)
@@ -60,11 +62,11 @@ def _load_and_try() -> str | None:
     return _trial_disagrees()
 
 
-def _fake(q, k, v, k_cache, v_cache, slots, block_tables, seq_lens, scale):
+def _fake(q, k, v, k_cache, v_cache, slots, block_tables, seq_lens, scale, window=0):
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
-def reference(q, k, v, k_cache, v_cache, step, scale) -> torch.Tensor:
+def reference(q, k, v, k_cache, v_cache, step, scale, window: int | None = None) -> torch.Tensor:
     """The same step through torch's SDPA on gathered keys, float32 (the trial's and tests' yardstick):
     writes the caches as the kernel does."""
     slots, block_tables, seq_lens = step
@@ -75,7 +77,8 @@ def reference(q, k, v, k_cache, v_cache, step, scale) -> torch.Tensor:
     outs = []
     for n in range(N):
         L = int(seq_lens[n])
-        rows = (block_tables[n][torch.arange(L) // bs] * bs + torch.arange(L) % bs)
+        seen = torch.arange(max(0, L - window) if window else 0, L)
+        rows = block_tables[n][seen // bs] * bs + seen % bs
         keys = k_cache.view(-1, kv, D)[rows].float().transpose(0, 1)  # [kv, L, D]
         values = v_cache.view(-1, kv, D)[rows].float().transpose(0, 1)
         out = F.scaled_dot_product_attention(q[n].float().view(heads, 1, D), keys, values, scale=scale,
@@ -86,7 +89,8 @@ def reference(q, k, v, k_cache, v_cache, step, scale) -> torch.Tensor:
 
 def _trial_disagrees() -> str | None:
     """Grouped and plain heads, keys across blocks, a token seeing one key, fp32 and bf16, both
-    code paths (head dims 64 and 128 take the AVX-512 one where the CPU has it)."""
+    code paths (head dims 64 and 128 take the AVX-512 one where the CPU has it), with and
+    without a sliding window (shorter and longer than the keys, starting mid-block)."""
     gen = torch.Generator().manual_seed(0)
     for dtype, heads, kv, D, lens in ((torch.float32, 4, 2, 16, (1, 5, 19)), (torch.bfloat16, 3, 3, 8, (7, 16, 33)),
                                       (torch.bfloat16, 8, 2, 64, (1, 21, 40)), (torch.float32, 6, 2, 128, (2, 17))):
@@ -97,9 +101,10 @@ def _trial_disagrees() -> str | None:
         seq_lens = torch.tensor(lens)
         slots = torch.stack([tables[n, (L - 1) // bs] * bs + (L - 1) % bs for n, L in enumerate(lens)])
         q, k, v = (torch.randn(N, h, D, generator=gen).to(dtype) for h in (heads, kv, kv))
-        want = reference(q, k, v, *(c.clone() for c in caches), (slots, tables, seq_lens), D ** -0.5)
-        got = decode(q, k, v, *caches, (slots, tables, seq_lens), D ** -0.5)
-        tol = 1e-5 if dtype == torch.float32 else 2e-2
-        if got.shape != want.shape or not torch.allclose(got.float(), want.float(), rtol=tol, atol=tol):
-            return f"its trial disagrees with SDPA ({dtype}, {heads} heads over {kv})"
+        for window in (None, 6, 21):
+            want = reference(q, k, v, *(c.clone() for c in caches), (slots, tables, seq_lens), D ** -0.5, window)
+            got = decode(q, k, v, *(c.clone() for c in caches), (slots, tables, seq_lens), D ** -0.5, window)
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            if got.shape != want.shape or not torch.allclose(got.float(), want.float(), rtol=tol, atol=tol):
+                return f"its trial disagrees with SDPA ({dtype}, {heads} heads over {kv}, window {window})"
     return None

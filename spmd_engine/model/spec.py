@@ -14,6 +14,7 @@ from typing import Any, Mapping
 from spmd_engine.config import ConfigError
 from spmd_engine.model.layers.rotary import SUPPORTED_ROPE_TYPES, rope_type_of
 from spmd_engine.model.registry import BUILTIN_MODELS, ModelRegistry
+from spmd_engine.model.windows import layer_windows
 
 # The built-in architectures (model/registry.py maps every architecture to its class).
 SUPPORTED_ARCHITECTURES = tuple(BUILTIN_MODELS)
@@ -49,6 +50,12 @@ class ModelSpec:
     sliding_window: int | None
     qk_norm: bool = False
     moe: MoeSpec | None = None  # None: a dense model
+    # Each layer's sliding window, None for full attention (model/windows.py); () : none anywhere.
+    layer_windows: tuple[int | None, ...] = ()
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window (None: it attends to every earlier token)."""
+        return self.layer_windows[layer] if self.layer_windows else None
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and self.moe.is_sparse(layer)
@@ -94,6 +101,7 @@ class ModelSpec:
             "LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
         qkv_bias = (all_bias or family == "Qwen2ForCausalLM"
                     or (family == "Qwen2MoeForCausalLM" and bool(cfg.get("qkv_bias", True))))
+        windows = layer_windows(family, cfg, need("num_hidden_layers"), source)
         window = cfg.get("sliding_window")
         if qwen and not cfg.get("use_sliding_window", False):
             window = None
@@ -117,6 +125,7 @@ class ModelSpec:
             sliding_window=int(window) if window else None,
             qk_norm=family in QK_NORM_ARCHITECTURES,
             moe=MoeSpec.from_hf_config(family, cfg, source),
+            layer_windows=windows,
         )
 
 

@@ -15,6 +15,13 @@ position mask. Within each kind, requests of similar query length share a
 group, padded to its longest, so one long prompt does not pad every decode
 to its length.
 
+A sliding-window layer (`Attention(sliding_window=W)`, Mistral, Gemma 3, gpt-oss) lets a
+query at position p see keys p - W < j <= p only (transformers' sliding_window_overlay).
+Layers of one model differ in window while the step's metadata is shared, so the window is
+the layer's argument to every path, and masks for it are made once per step and window
+(`RowGroup.window_mask`). Keys out of a query's window are masked, never read as values,
+so a freed block (block 0 in its place in the table) there is harmless.
+
 In batch-invariant mode (`invariant=True`) every query instead reads its keys from the cache
 (its own new ones included, written first) in tiles that batch_invariant.attention computes
 the same way whatever else is in the step: a prompt whole, in chunks, or after a prefix hit,
@@ -49,6 +56,7 @@ class RowGroup:
     width: int  # T
     pad_index: torch.Tensor | None  # [end - start] slot of each token in [G * T]; None: rows are full width
     block_tables: torch.Tensor | None = None  # [G, nb] (cached groups): the blocks to read
+    query_pos: torch.Tensor | None = None  # [G, T] (cached groups): each query's position
     # How to make `mask` when first read: a decode step that the compiled graph (or the kernel)
     # runs never reads it, and its three small tensor ops cost tens of us cold.
     make_mask: Callable[[], torch.Tensor] | None = field(default=None, repr=False, compare=False)
@@ -66,15 +74,35 @@ class RowGroup:
     def mask(self, value: torch.Tensor | None) -> None:
         self._mask = value
 
-    def folded_mask(self, group: int) -> torch.Tensor:
+    def window_mask(self, window: int | None, device=None) -> torch.Tensor | None:
+        """`mask` for a layer of sliding window `window` (None: `mask` itself): built once per step
+        and window. A fresh group's is [1, 1, T, T] (causal within the window), None while its
+        rows are no longer than the window (causal alone is the same)."""
+        if window is None:
+            return self.mask
+        key = ("window", window)
+        if key not in self._folded:
+            if self.block_tables is None:
+                t = torch.arange(self.width, device=device)
+                diff = t.view(-1, 1) - t.view(1, -1)  # query - key
+                self._folded[key] = None if self.width <= window else ((diff >= 0) & (diff < window)).view(
+                    1, 1, self.width, self.width)
+            else:
+                keys = torch.arange(self.mask.shape[-1], device=self.mask.device)
+                pos = self.query_pos.unsqueeze(-1)  # [G, T, 1]
+                self._folded[key] = self.mask & (keys.view(1, 1, -1) > pos - window).unsqueeze(1)
+        return self._folded[key]
+
+    def folded_mask(self, group: int, window: int | None = None) -> torch.Tensor:
         """The mask for `group` query heads per KV head folded into the query axis,
-        [G, 1, group * T, L]; built once per step (every layer has the same group)."""
+        [G, 1, group * T, L]; built once per step and window (every layer has the same group)."""
+        mask = self.window_mask(window)
         if self.width == 1:
-            return self.mask  # [G, 1, 1, L] broadcasts over the folded heads
-        if group not in self._folded:
-            G, _, T, L = self.mask.shape
-            self._folded[group] = self.mask.unsqueeze(2).expand(G, 1, group, T, L).reshape(G, 1, group * T, L)
-        return self._folded[group]
+            return mask  # [G, 1, 1, L] broadcasts over the folded heads
+        if (group, window) not in self._folded:
+            G, _, T, L = mask.shape
+            self._folded[(group, window)] = mask.unsqueeze(2).expand(G, 1, group, T, L).reshape(G, 1, group * T, L)
+        return self._folded[(group, window)]
 
 
 @dataclass
@@ -194,7 +222,8 @@ class AttentionMetadata:
         def make_mask():  # each token sees the keys up to its own position
             keys = torch.arange(nb * block_size, device=positions.device)
             return (keys.view(1, -1) <= positions.view(-1, 1)).view(B, 1, 1, -1)
-        group = RowGroup(0, B, B, 1, None, block_tables=table[:, :nb], make_mask=make_mask)
+        group = RowGroup(0, B, B, 1, None, block_tables=table[:, :nb], query_pos=positions.view(B, 1),
+                         make_mask=make_mask)
         meta = cls(slot_mapping=slots_t, groups=[group], num_tokens=B, positions=positions,
                    row_order=list(range(B)), row_start=list(range(B)), query_lens=[1] * B)
         meta._decode.append(DecodeStep(slots_t, table, seq_lens))
@@ -244,8 +273,10 @@ def _group(rows, row_start, context_lens, query_lens, table, block_size, device)
         keys = torch.arange(nb * block_size)
         # Query t of a row sits at position ctx + t and sees keys 0..ctx + t. Padded queries
         # see key 0 at least (no all-masked row, no NaN); their outputs are dropped.
-        mask = keys.view(1, 1, -1) <= (ctx.view(-1, 1, 1) + torch.arange(T).view(1, -1, 1))
+        pos = ctx.view(-1, 1) + torch.arange(T).view(1, -1)  # [G, T]
+        mask = keys.view(1, 1, -1) <= pos.unsqueeze(-1)
         group.mask = mask.unsqueeze(1).to(device)
+        group.query_pos = pos.to(device)
     return group
 
 
@@ -255,23 +286,27 @@ class Attention(nn.Module):
     With metadata: q [N, num_heads, D], k and v [N, num_kv_heads, D] packed
     tokens (after RoPE); returns [N, num_heads * D]. With `attn=None` there
     is no cache: batched [B, T, heads, D] inputs attend causally within each
-    row (training, references); returns [B, T, num_heads * D]. `sinks` (gpt-oss): an
-    AttentionSinks module, its per-head logits in every softmax (sink_attention.py, which
+    row (training, references); returns [B, T, num_heads * D]. `sliding_window`
+    W: each query sees its last W keys (itself included) only; None: all. `sinks` (gpt-oss):
+    an AttentionSinks module, its per-head logits in every softmax (sink_attention.py, which
     every path then goes through).
     """
 
     batch_invariant = False  # without a cache: batch_invariant.causal_attention
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sinks: nn.Module | None = None):
+                 sliding_window: int | None = None, sinks: nn.Module | None = None):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} KV heads evenly")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window {sliding_window} must be at least 1")
+        self.sliding_window = sliding_window
+        self.sinks = sinks
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
-        self.sinks = sinks
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self.uses_decode_kernel = False  # decode_attention's kernel for traced decode steps (set_kv_cache)
@@ -293,69 +328,81 @@ class Attention(nn.Module):
         if attn is None:
             B, T = q.shape[:2]
             if self.batch_invariant:
-                return bi.causal_attention(q, k, v, self.scale).reshape(B, T, self.num_heads * self.head_dim)
+                out = bi.causal_attention(q, k, v, self.scale, self.sliding_window)
+                return out.reshape(B, T, self.num_heads * self.head_dim)
             return self._causal(q, k, v).reshape(B, T, self.num_heads * self.head_dim)
         if self.k_cache is None:
             raise RuntimeError("KV cache not allocated: the model runner allocates it before the first step")
         if isinstance(attn, tuple):  # a DecodeStep's tensors, traced into the compiled graph
             if self.uses_decode_kernel:
-                return decode_kernel.decode(q, k, v, self.k_cache, self.v_cache, attn, self.scale)
-            return decode_attention(q, k, v, self.k_cache, self.v_cache, attn, self.scale)
+                return decode_kernel.decode(q, k, v, self.k_cache, self.v_cache, attn, self.scale, self.sliding_window)
+            return decode_attention(q, k, v, self.k_cache, self.v_cache, attn, self.scale, self.sliding_window)
         if attn is COMPILED:  # traced: the metadata comes through forward_context
-            return torch.ops.spmd_engine.attention(q, k, v, self.k_cache, self.v_cache, self.scale)
-        return paged_attention(q, k, v, self.k_cache, self.v_cache, attn, self.scale)
+            return torch.ops.spmd_engine.attention(q, k, v, self.k_cache, self.v_cache, self.scale,
+                                                   self.sliding_window or 0)
+        return paged_attention(q, k, v, self.k_cache, self.v_cache, attn, self.scale, self.sliding_window)
 
     def _with_sinks(self, q, k, v, attn) -> torch.Tensor:
-        sinks = self.sinks.weight
+        sinks, window = self.sinks.weight, self.sliding_window
         if attn is None:
             B, T = q.shape[:2]
-            out = (bi.causal_attention(q, k, v, self.scale, sinks=sinks) if self.batch_invariant
-                   else sink_attention.causal(q, k, v, sinks, self.scale))
+            out = (bi.causal_attention(q, k, v, self.scale, window, sinks) if self.batch_invariant
+                   else sink_attention.causal(q, k, v, sinks, self.scale, window))
             return out.reshape(B, T, self.num_heads * self.head_dim)
         if self.k_cache is None:
             raise RuntimeError("KV cache not allocated: the model runner allocates it before the first step")
         if attn is COMPILED:
-            return torch.ops.spmd_engine.sink_attention(q, k, v, self.k_cache, self.v_cache, sinks, self.scale)
-        return sink_attention.paged(q, k, v, self.k_cache, self.v_cache, attn, sinks, self.scale)
+            return torch.ops.spmd_engine.sink_attention(q, k, v, self.k_cache, self.v_cache, sinks, self.scale,
+                                                        window or 0)
+        return sink_attention.paged(q, k, v, self.k_cache, self.v_cache, attn, sinks, self.scale, window)
 
     def _causal(self, q, k, v) -> torch.Tensor:
         group = self.num_heads // self.num_kv_heads
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # [B, heads, T, D]
         if group > 1:
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        T, W = q.shape[2], self.sliding_window
+        if W is None or T <= W:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        else:
+            t = torch.arange(T, device=q.device)
+            diff = t.view(-1, 1) - t.view(1, -1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=(diff >= 0) & (diff < W), scale=self.scale)
         return out.transpose(1, 2)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, attn: AttentionMetadata, scale: float) -> torch.Tensor:
+                    v_cache: torch.Tensor, attn: AttentionMetadata, scale: float,
+                    window: int | None = None) -> torch.Tensor:
     """Write the step's K/V to their slots, then attend: q [N, heads, D], k and v [N, kv_heads, D]
-    packed tokens; returns [N, heads * D]. Heads and sizes are read from the shapes. A
-    decode-shaped step goes to the decode attention kernel where it is usable (CPU)."""
+    packed tokens, each query over its last `window` keys (None: all); returns [N, heads * D].
+    Heads and sizes are read from the shapes. A decode-shaped step goes to the decode attention
+    kernel where it is usable (CPU)."""
     heads, kv, D = q.shape[1], k.shape[1], q.shape[2]
     if decode_kernel.usable(q.device) and (step := attn.decode_step()) is not None:
-        return decode_kernel.decode(q, k, v, k_cache, v_cache, step, scale)  # writes the K/V too
+        return decode_kernel.decode(q, k, v, k_cache, v_cache, step, scale, window)  # writes the K/V too
     if attn.slot_mapping is not None:  # None: a dummy step (DP waves) writes nothing
         k_cache.view(-1, kv, D).index_copy_(0, attn.slot_mapping, k)
         v_cache.view(-1, kv, D).index_copy_(0, attn.slot_mapping, v)
     if attn.tiles is not None:
-        out = bi.attend(q, k_cache.view(-1, kv, D), v_cache.view(-1, kv, D), attn.tiles.plan(heads // kv), scale)
+        out = bi.attend(q, k_cache.view(-1, kv, D), v_cache.view(-1, kv, D), attn.tiles.plan(heads // kv), scale,
+                        window)
         return out.reshape(attn.num_tokens, heads * D)
-    outs = [_attend(q[g.start:g.end], k[g.start:g.end], v[g.start:g.end], g, k_cache, v_cache, scale)
+    outs = [_attend(q[g.start:g.end], k[g.start:g.end], v[g.start:g.end], g, k_cache, v_cache, scale, window)
             for g in attn.groups]
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out.reshape(attn.num_tokens, heads * D)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, step: tuple, scale: float) -> torch.Tensor:
+                     v_cache: torch.Tensor, step: tuple, scale: float, window: int | None = None) -> torch.Tensor:
     """paged_attention for a decode-shaped step, written for inductor to trace: the cache write,
     then per token a dot product with each key it sees, a softmax and a weighted sum of values,
     all in float32, the gather from the cache folded into the loads (no copy of the keys).
     Eager this is slower than SDPA; compiled it is a few fused loops where the opaque op's
     Python, dispatch and SDPA's fixed work cost more than the attention (docs/performance.md).
-    q [N, heads, D], k and v [N, kv_heads, D], `step` a DecodeStep or its tuple of tensors;
-    returns [N, heads * D]."""
+    q [N, heads, D], k and v [N, kv_heads, D], `step` a DecodeStep or its tuple of tensors,
+    `window` the layer's sliding window (None: all keys); returns [N, heads * D]."""
     slots, block_tables, seq_lens = step
     N, heads, D = q.shape
     kv, block_size, nb = k.shape[1], k_cache.shape[1], block_tables.shape[1]
@@ -366,21 +413,25 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     values = v_cache[block_tables].view(N, L, kv, D).permute(0, 2, 1, 3).unsqueeze(2)
     # The query heads sharing a KV head side by side (the order SDPA's enable_gqa uses).
     scores = (q.view(N, kv, heads // kv, 1, D).float() * keys.float()).sum(-1) * scale  # [N, kv, group, L]
-    seen = torch.arange(L, device=q.device).view(1, 1, 1, L) < seq_lens.view(N, 1, 1, 1)
+    keys_at = torch.arange(L, device=q.device).view(1, 1, 1, L)
+    seen = keys_at < seq_lens.view(N, 1, 1, 1)
+    if window is not None:
+        seen = seen & (keys_at >= seq_lens.view(N, 1, 1, 1) - window)
     p = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1)
     out = (p.unsqueeze(-1) * values.float()).sum(-2)  # [N, kv, group, D]
     return out.reshape(N, heads * D).to(q.dtype)
 
 
-def _attend(q, k, v, g: RowGroup, k_cache, v_cache, scale) -> torch.Tensor:
+def _attend(q, k, v, g: RowGroup, k_cache, v_cache, scale, window=None) -> torch.Tensor:
     """The group's outputs [n, heads, D] for its packed q [n, heads, D] (k, v: its new tokens)."""
     G, T, heads, D, kv = g.num_rows, g.width, q.shape[1], q.shape[2], k.shape[1]
     qg = _padded(q, g)  # [G, heads, T, D]
     if g.block_tables is None:  # fresh prompts: causal over their own new tokens
-        out = F.scaled_dot_product_attention(qg, _padded(k, g), _padded(v, g),
-                                             is_causal=True, scale=scale, enable_gqa=True)
+        mask = g.window_mask(window, q.device) if window is not None else None
+        out = F.scaled_dot_product_attention(qg, _padded(k, g), _padded(v, g), attn_mask=mask,
+                                             is_causal=mask is None, scale=scale, enable_gqa=True)
     else:
-        L = g.mask.shape[-1]
+        L = g.block_tables.shape[1] * k_cache.shape[1]
         # index_select of whole blocks copies rows with memcpy; advanced indexing with the
         # 2-D table gathers element by element (the profile's largest non-matmul cost).
         blocks = g.block_tables.reshape(-1)
@@ -390,7 +441,7 @@ def _attend(q, k, v, g: RowGroup, k_cache, v_cache, scale) -> torch.Tensor:
         # grouped-query attention without copying K/V per head (enable_gqa expands them).
         group = heads // kv
         out = F.scaled_dot_product_attention(qg.reshape(G, kv, group * T, D), keys, values,
-                                             attn_mask=g.folded_mask(group), scale=scale)
+                                             attn_mask=g.folded_mask(group, window), scale=scale)
         out = out.reshape(G, heads, T, D)  # a view fails on CUDA, whose SDPA may lay its output out otherwise
     out = out.transpose(1, 2).reshape(G * T, heads, D)
     return out if g.pad_index is None else out[g.pad_index]
@@ -410,17 +461,18 @@ def _padded(x: torch.Tensor, g: RowGroup) -> torch.Tensor:
 # tensor the graph reads again, so the schema says nothing of it (vLLM's attention op hides its
 # cache behind a layer name alike).
 _lib = torch.library.Library("spmd_engine", "FRAGMENT")  # the op lives as long as the process
-_lib.define("attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, float scale) -> Tensor")
+_lib.define("attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, float scale, int window=0) "
+            "-> Tensor")  # window: the layer's sliding window, 0 for none
 
 
-def _attention_op(q, k, v, k_cache, v_cache, scale):
+def _attention_op(q, k, v, k_cache, v_cache, scale, window=0):
     attn = forward_context.attn_metadata()
-    return paged_attention(q, k, v, k_cache, v_cache, attn, scale).contiguous()
+    return paged_attention(q, k, v, k_cache, v_cache, attn, scale, window or None).contiguous()
 
 
 _lib.impl("attention", _attention_op, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("spmd_engine::attention")
-def _attention_fake(q, k, v, k_cache, v_cache, scale):
+def _attention_fake(q, k, v, k_cache, v_cache, scale, window=0):
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])

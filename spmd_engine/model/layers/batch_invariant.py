@@ -343,8 +343,9 @@ def plan_tiles(context_lens: Sequence[int], query_lens: Sequence[int], row_start
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: TilePlan, scale: float,
-           sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Packed queries [N, heads, D] over flat keys, values [S, kv_heads, D] -> [N, heads, D].
+           window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Packed queries [N, heads, D] over flat keys, values [S, kv_heads, D] -> [N, heads, D], each
+    over its last `window` keys (None: all).
     Each bucket's tiles are gathered and attended MAX_SCORES scores at a time (tiles are
     independent: any split), so a long context's keys are never all copied at once. `sinks`
     [heads]: attention sinks' logits (sink_attention.py) in every denominator."""
@@ -356,17 +357,20 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: Tile
             rows = b.keys[i:i + step]
             flat = rows.reshape(-1)
             k, v = (torch.index_select(x, 0, flat).view(*rows.shape, *x.shape[1:]) for x in (keys, values))
-            outs.append(attention(qx[b.index[i:i + step]], k, v, b.q_pos[i:i + step], scale, sinks).flatten(0, 1))
+            outs.append(attention(qx[b.index[i:i + step]], k, v, b.q_pos[i:i + step], scale, window,
+                                  sinks).flatten(0, 1))
     return (outs[0] if len(outs) == 1 else torch.cat(outs))[plan.unpack]
 
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: torch.Tensor,
-              scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+              scale: float, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Tiles of queries over their sequences' keys, laid out by position.
 
     q [n, t, heads, D]; keys, values [n, L, kv_heads, D], key j at position j of the tile's
     sequence, L a power-of-two number of KEY_BLOCKs; q_pos [n, t]: a query sees keys
-    0..q_pos (padding queries: 0). Returns [n, t, heads, D] in q's dtype.
+    0..q_pos (padding queries: 0), with a sliding `window` only q_pos - window < j. A key's
+    bits do not depend on which others are hidden (a hidden key adds an exact zero), so the
+    window keeps the recipe batch-invariant. Returns [n, t, heads, D] in q's dtype.
     """
     n, t, heads, d = q.shape
     kv, length = keys.shape[2], keys.shape[1]
@@ -374,25 +378,25 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: 
     if nb * KEY_BLOCK != length:
         raise ValueError(f"key length {length} is not a whole number of {KEY_BLOCK}-key blocks")
     if q.dtype == torch.bfloat16 and sinks is None and _sdpa_invariant(q.device.type, d, q.dtype):
-        return _flash_tiles(q, keys, values, q_pos, scale)  # (the probe checks a lone sequence too)
+        return _flash_tiles(q, keys, values, q_pos, scale, window)  # (the probe checks a lone sequence too)
     if n < 2:  # no product alone in its call (a lone bmm may split its sums between threads)
         pad = (0, 0, 0, 0, 0, 0, 0, 2 - n)
         return attention(F.pad(q, pad), F.pad(keys, pad), F.pad(values, pad), F.pad(q_pos, (0, 0, 0, 2 - n)),
-                         scale, sinks)[:n]
+                         scale, window, sinks)[:n]
     step = MIN_ROWS // math.gcd(group, MIN_ROWS)  # queries whose heads fill whole MIN_ROWS columns
     if t % step:  # fewer columns meet other kernels on some CPUs (AMD EPYC's MKL: below 16)
         extra = step - t % step
         return attention(F.pad(q, (0, 0, 0, 0, 0, extra)), keys, values, F.pad(q_pos, (0, extra)), scale,
-                         sinks)[:, :t]
+                         window, sinks)[:, :t]
     f32, rows = torch.float32, t * group
     keys, values = keys.to(f32), values.to(f32)  # no copy in fp32
     if d < MIN_ROWS:  # a head this narrow meets MKL's small kernels (other sums): zeros pad it
         q, keys, values = (F.pad(x, (0, MIN_ROWS - d)) for x in (q, keys, values))
-        return attention(q, keys, values, q_pos, scale, sinks)[..., :d]
+        return attention(q, keys, values, q_pos, scale, window, sinks)[..., :d]
     # [n, kv, D, rows]: a KV head's query heads folded into the columns; each product has the
     # keys' (or a value block's dims') rows, so a decode's few columns cost what they compute
     qf = (q.to(f32) * scale).view(n, t, kv, group, d).permute(0, 2, 4, 1, 3).reshape(n, kv, d, rows)
-    hidden = torch.arange(length, device=q.device).view(1, length, 1, 1) > q_pos.view(n, 1, t, 1)
+    hidden = _hidden(length, q_pos, window).transpose(1, 2).unsqueeze(-1)  # [n, L, t, 1]
     outs = []
     for h in range(kv):
         s = torch.bmm(keys[:, :, h], qf[:, h])  # [n, L, rows], on a strided view of the keys
@@ -413,8 +417,16 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: 
     return torch.stack(outs, dim=2).reshape(n, t, heads, d).to(q.dtype)
 
 
+def _hidden(length: int, q_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[n, t, L]: which of a tile's `length` keys each query (at q_pos [n, t]) may not see."""
+    keys = torch.arange(length, device=q_pos.device).view(1, 1, length)
+    pos = q_pos.unsqueeze(-1)
+    hidden = keys > pos
+    return hidden if window is None else hidden | (keys <= pos - window)
+
+
 def _flash_tiles(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: torch.Tensor,
-                 scale: float) -> torch.Tensor:
+                 scale: float, window: int | None = None) -> torch.Tensor:
     """`attention` through torch's bf16 SDPA (`_sdpa_invariant`): a tile's queries, a KV head's
     query heads folded into its rows, under an explicit mask of the keys each may see."""
     n, t, heads, d = q.shape
@@ -422,7 +434,7 @@ def _flash_tiles(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_po
     group = heads // kv
     rows = t * group
     qf = q.view(n, t, kv, group, d).transpose(1, 2).reshape(n, kv, rows, d)
-    visible = torch.arange(length, device=q.device).view(1, 1, 1, length) <= q_pos.view(n, t, 1, 1)
+    visible = ~_hidden(length, q_pos, window).unsqueeze(2)  # [n, t, 1, L]
     mask = visible.expand(n, t, group, length).reshape(n, 1, rows, length)
     if rows % MIN_ROWS:  # a lone row (a decode at TP 8), or a ragged last block of rows, meets another
         # kernel (AMD EPYC: any part-filled block of 16): padded to whole blocks, as the products are
@@ -489,11 +501,12 @@ def _blocks(keys: int) -> int:
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Whole rows [B, T, heads, D] (no cache), through `attend`: what a trainer runs."""
     b, t, heads, d = q.shape
     kv = k.shape[2]
     plan = plan_tiles([0] * b, [t] * b, [i * t for i in range(b)],
                       lambda seq, pos: seq.view(-1, 1) * t + pos.clamp(max=t - 1).view(1, -1), heads // kv, q.device)
-    out = attend(q.reshape(b * t, heads, d), k.reshape(b * t, kv, d), v.reshape(b * t, kv, d), plan, scale, sinks)
+    out = attend(q.reshape(b * t, heads, d), k.reshape(b * t, kv, d), v.reshape(b * t, kv, d), plan, scale, window,
+                 sinks)
     return out.view(b, t, heads, d)

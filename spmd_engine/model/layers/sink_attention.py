@@ -54,28 +54,35 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: t
     return out.view(G, heads, T, D).to(q.dtype)
 
 
-def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, scale: float) -> torch.Tensor:
-    """No cache: rows [B, T, heads, D] attend causally within themselves -> [B, T, heads, D]."""
-    T = q.shape[1]
-    visible = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, scale: float,
+           window: int | None = None) -> torch.Tensor:
+    """No cache: rows [B, T, heads, D] attend causally (within `window`) to themselves -> [B, T, heads, D]."""
+    visible = _causal_mask(q.shape[1], window, q.device)
     return attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), visible, sinks, scale).transpose(1, 2)
 
 
+def _causal_mask(T: int, window: int | None, device) -> torch.Tensor:
+    """[T, T]: query t sees keys t - window < j <= t (window None: all j <= t)."""
+    t = torch.arange(T, device=device)
+    diff = t.view(-1, 1) - t.view(1, -1)
+    return (diff >= 0) if window is None else (diff >= 0) & (diff < window)
+
+
 def paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-          attn, sinks: torch.Tensor, scale: float) -> torch.Tensor:
+          attn, sinks: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
     """attention.paged_attention's contract with sinks: write the step's K/V, then attend; q [N,
     heads, D], k and v [N, kv, D]; `attn` AttentionMetadata or a DecodeStep's tuple (a traced
-    decode graph). Returns [N, heads * D]."""
+    decode graph); `window` the layer's sliding window. Returns [N, heads * D]."""
     from spmd_engine.model.layers.attention import _padded
     heads, kv, D = q.shape[1], k.shape[1], q.shape[2]
     if isinstance(attn, tuple):
-        return _decode(q, k, v, k_cache, v_cache, attn, sinks, scale)
+        return _decode(q, k, v, k_cache, v_cache, attn, sinks, scale, window)
     if attn.slot_mapping is not None:  # None: a dummy step (DP waves) writes nothing
         k_cache.view(-1, kv, D).index_copy_(0, attn.slot_mapping, k)
         v_cache.view(-1, kv, D).index_copy_(0, attn.slot_mapping, v)
     if attn.tiles is not None:
         out = bi.attend(q, k_cache.view(-1, kv, D), v_cache.view(-1, kv, D), attn.tiles.plan(heads // kv), scale,
-                        sinks=sinks)
+                        window, sinks)
         return out.reshape(attn.num_tokens, heads * D)
     outs = []
     for g in attn.groups:
@@ -83,20 +90,20 @@ def paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tens
         qg = _padded(q[g.start:g.end], g)  # [G, heads, T, D]
         if g.block_tables is None:  # fresh prompts: their own new tokens, causally
             keys, values = _padded(k[g.start:g.end], g), _padded(v[g.start:g.end], g)
-            visible = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+            visible = _causal_mask(T, window, q.device)
         else:
             L = g.block_tables.shape[1] * k_cache.shape[1]
             blocks = g.block_tables.reshape(-1)
             keys = k_cache.index_select(0, blocks).view(G, L, kv, D).transpose(1, 2)
             values = v_cache.index_select(0, blocks).view(G, L, kv, D).transpose(1, 2)
-            visible = g.mask  # [G, 1, T, L]
+            visible = g.window_mask(window)  # [G, 1, T, L]
         out = attend(qg, keys, values, visible, sinks, scale).transpose(1, 2).reshape(G * T, heads, D)
         outs.append(out if g.pad_index is None else out[g.pad_index])
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out.reshape(attn.num_tokens, heads * D)
 
 
-def _decode(q, k, v, k_cache, v_cache, step, sinks, scale) -> torch.Tensor:
+def _decode(q, k, v, k_cache, v_cache, step, sinks, scale, window) -> torch.Tensor:
     """A decode-shaped step from its tensors alone (traceable): each token over its block
     table's keys before its sequence length."""
     slots, block_tables, seq_lens = step
@@ -107,7 +114,11 @@ def _decode(q, k, v, k_cache, v_cache, step, sinks, scale) -> torch.Tensor:
     L = nb * block_size
     keys = k_cache[block_tables].view(N, L, kv, D).transpose(1, 2)
     values = v_cache[block_tables].view(N, L, kv, D).transpose(1, 2)
-    visible = (torch.arange(L, device=q.device).view(1, L) < seq_lens.view(N, 1)).view(N, 1, 1, L)
+    keys_at = torch.arange(L, device=q.device).view(1, L)
+    visible = keys_at < seq_lens.view(N, 1)
+    if window is not None:
+        visible = visible & (keys_at >= seq_lens.view(N, 1) - window)
+    visible = visible.view(N, 1, 1, L)
     return attend(q.unsqueeze(2), keys, values, visible, sinks, scale).reshape(N, heads * D)
 
 
@@ -115,16 +126,16 @@ def _decode(q, k, v, k_cache, v_cache, step, sinks, scale) -> torch.Tensor:
 # the sinks): its metadata comes from forward_context, the cache is written in place.
 _lib = torch.library.Library("spmd_engine", "FRAGMENT")
 _lib.define("sink_attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor sinks, "
-            "float scale) -> Tensor")
+            "float scale, int window=0) -> Tensor")  # window: the layer's sliding window, 0 for none
 
 
-def _sink_attention_op(q, k, v, k_cache, v_cache, sinks, scale):
-    return paged(q, k, v, k_cache, v_cache, forward_context.attn_metadata(), sinks, scale).contiguous()
+def _sink_attention_op(q, k, v, k_cache, v_cache, sinks, scale, window=0):
+    return paged(q, k, v, k_cache, v_cache, forward_context.attn_metadata(), sinks, scale, window or None).contiguous()
 
 
 _lib.impl("sink_attention", _sink_attention_op, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("spmd_engine::sink_attention")
-def _sink_attention_fake(q, k, v, k_cache, v_cache, sinks, scale):
+def _sink_attention_fake(q, k, v, k_cache, v_cache, sinks, scale, window=0):
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])

@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from spmd_engine.compilation.compiled_layers import CompiledLayers
-from spmd_engine.config import ConfigError
 from spmd_engine.model.layers.attention import Attention, AttentionMetadata
 from spmd_engine.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from spmd_engine.model.layers.linear import QKVParallelLinear, RowParallelLinear
@@ -34,7 +33,7 @@ from spmd_engine.model.weights import CausalLMWeights
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, spec: ModelSpec, tp_group, dtype: torch.dtype):
+    def __init__(self, spec: ModelSpec, tp_group, dtype: torch.dtype, sliding_window: int | None = None):
         super().__init__()
         self.head_dim = spec.head_dim
         self.qkv_proj = QKVParallelLinear(spec.hidden_size, spec.head_dim, spec.num_heads, spec.num_kv_heads,
@@ -42,7 +41,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(spec.num_heads * spec.head_dim, spec.hidden_size, tp_group,
                                         bias=spec.o_bias, dtype=dtype)
         self.attn = Attention(self.qkv_proj.num_heads_per_rank, self.qkv_proj.num_kv_heads_per_rank,
-                              spec.head_dim, spec.head_dim ** -0.5)
+                              spec.head_dim, spec.head_dim ** -0.5, sliding_window)
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype=dtype) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype=dtype) if spec.qk_norm else None
 
@@ -70,7 +69,7 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, tp_group, dtype: torch.dtype, layer: int = 0, moe: dict | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype)
-        self.self_attn = LlamaAttention(spec, tp_group, dtype)
+        self.self_attn = LlamaAttention(spec, tp_group, dtype, spec.window(layer))
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype)
         if spec.is_moe_layer(layer):
             self.mlp = SparseMoeBlock(spec, tp_group, dtype=dtype, **(moe or {"moe_group": tp_group,
@@ -182,12 +181,8 @@ class CausalLM(CausalLMWeights, nn.Module):
         return per_layer * len(self.model.layers) * self.dtype.itemsize
 
     def check_max_model_len(self, max_model_len: int) -> None:
-        window = self.spec.sliding_window
-        if window is not None and max_model_len > window:
-            raise ConfigError(
-                f"max_model_len {max_model_len} exceeds this model's sliding_window {window}; "
-                f"sliding-window attention is not implemented, use --max-model-len <= {window}"
-            )
+        """Any length: a sliding-window layer attends over its window at every length (the limit
+        this hook once set), its cache freeing what falls out of it (core/kv_cache_manager.py)."""
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
         return (num_blocks, block_size, self.num_kv_heads_per_rank, self.spec.head_dim)

@@ -240,15 +240,15 @@ def test_check_model_parallel_accepts_valid_layouts(tp, pp):
     assert spec.num_kv_heads == 2
 
 
-def test_sliding_window_longer_than_cache_is_refused(tmp_path):
+def test_sliding_window_shorter_than_the_cache_is_served(tmp_path):
+    """The window no longer caps max_model_len: every layer of a Mistral attends over its window."""
     path = make_random_checkpoint(tmp_path, "MistralForCausalLM", num_layers=1)
     config = json.loads((path / "config.json").read_text())
     config["sliding_window"] = 8
     (path / "config.json").write_text(json.dumps(config))
     model = load_model(path, SoloGroup(), SoloGroup())
-    model.check_max_model_len(8)
-    with pytest.raises(ConfigError, match="sliding_window 8"):
-        model.check_max_model_len(9)
+    model.check_max_model_len(4096)
+    assert [a.sliding_window for a in model._attention_layers()] == [8]
 
 
 # ---------------------------------------------------------------- loader

@@ -28,23 +28,27 @@ class _Solo:
     world_size, rank_in_group = 1, 0
 
 
-def _layer(sinks: torch.Tensor | None, invariant: bool = False) -> Attention:
+def _layer(sinks: torch.Tensor | None, invariant: bool = False, window: int | None = None) -> Attention:
     module = None
     if sinks is not None:
         module = AttentionSinks(HEADS, _Solo())
         module.weight_loader(module.weight, sinks)
-    attn = Attention(HEADS, KV, D, SCALE, sinks=module)
+    attn = Attention(HEADS, KV, D, SCALE, sliding_window=window, sinks=module)
     attn.batch_invariant = invariant
     attn.allocate_kv_cache(num_blocks=40, block_size=BS, dtype=torch.float32, device="cpu")
     return attn
 
 
-def _transformers(q, k, v, sinks) -> torch.Tensor:
-    """transformers' gpt-oss eager attention, causal, on one sequence [T, heads, D] -> [T, heads * D]."""
+def _transformers(q, k, v, sinks, window=None) -> torch.Tensor:
+    """transformers' gpt-oss eager attention, causal (within `window`), on one sequence [T, heads,
+    D] -> [T, heads * D]."""
     gpt_oss = require_reference("transformers.models.gpt_oss.modeling_gpt_oss")
     module = types.SimpleNamespace(sinks=sinks, num_key_value_groups=HEADS // KV, training=False)
     T = q.shape[0]
-    mask = torch.full((T, T), float("-inf")).triu(1).view(1, 1, T, T)
+    mask = torch.full((T, T), float("-inf")).triu(1)
+    if window is not None:
+        mask = mask + torch.full((T, T), float("-inf")).tril(-window)
+    mask = mask.view(1, 1, T, T)
     out, _ = gpt_oss.eager_attention_forward(module, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                              v.transpose(0, 1)[None], mask, SCALE)
     return out[0].reshape(T, HEADS * D)
@@ -60,10 +64,11 @@ SINKS = torch.tensor([2.0, -1.0, 0.5, 3.0])
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("invariant", [False, True])
-def test_no_cache_rows_match_transformers(invariant):
+@pytest.mark.parametrize("window", [None, 4])
+def test_no_cache_rows_match_transformers(invariant, window):
     (q, k, v), = _sequences([9])
-    out = _layer(SINKS, invariant)(q[None], k[None], v[None], None)[0]
-    assert torch.allclose(out, _transformers(q, k, v, SINKS), atol=1e-5)
+    out = _layer(SINKS, invariant, window)(q[None], k[None], v[None], None)[0]
+    assert torch.allclose(out, _transformers(q, k, v, SINKS, window), atol=1e-5)
 
 
 def _paged_run(attn: Attention, seqs, split, call=None):
@@ -88,19 +93,22 @@ def _paged_run(attn: Attention, seqs, split, call=None):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("invariant", [False, True])
-def test_paged_prompt_then_decode_matches_transformers(invariant):
+@pytest.mark.parametrize("window", [None, 3])
+def test_paged_prompt_then_decode_matches_transformers(invariant, window):
+    """window 3: shorter than the prompt step (5) and the sequences (11)."""
     seqs = _sequences([11, 11, 11], seed=1)
-    outs = _paged_run(_layer(SINKS, invariant), seqs, split=5)
+    outs = _paged_run(_layer(SINKS, invariant, window), seqs, split=5)
     for (q, k, v), out in zip(seqs, outs):
-        assert torch.allclose(out, _transformers(q, k, v, SINKS), atol=1e-5)
+        assert torch.allclose(out, _transformers(q, k, v, SINKS, window), atol=1e-5)
 
 
 @pytest.mark.timeout(60)
-def test_compiled_op_and_traced_decode_step_match_transformers():
+@pytest.mark.parametrize("window", [None, 4])
+def test_compiled_op_and_traced_decode_step_match_transformers(window):
     """The compiled forward's two forms of the layer: the opaque op reading forward_context,
     and (decode-shaped steps) the DecodeStep's tensors themselves."""
     seqs = _sequences([10, 10], seed=2)
-    attn = _layer(SINKS)
+    attn = _layer(SINKS, window=window)
 
     def call(q, k, v, md):
         step = md.decode_step()
@@ -110,20 +118,21 @@ def test_compiled_op_and_traced_decode_step_match_transformers():
             return attn(q, k, v, COMPILED)
     outs = _paged_run(attn, seqs, split=6, call=call)
     for (q, k, v), out in zip(seqs, outs):
-        assert torch.allclose(out, _transformers(q, k, v, SINKS), atol=1e-5)
+        assert torch.allclose(out, _transformers(q, k, v, SINKS, window), atol=1e-5)
 
 
 @pytest.mark.timeout(60)
-def test_chunk_after_cache_matches_transformers():
+@pytest.mark.parametrize("window", [None, 4])
+def test_chunk_after_cache_matches_transformers(window):
     """A prompt in two chunks: the second attends to the cached first under the group's mask."""
     (q, k, v), = _sequences([13], seed=3)
-    attn = _layer(SINKS)
+    attn = _layer(SINKS, window=window)
     table = [[3, 7, 1, 9]]
     md = AttentionMetadata.build([0], [6], table, BS, "cpu")
     first = attn(q[:6], k[:6], v[:6], md)
     md = AttentionMetadata.build([6], [7], table, BS, "cpu")
     second = attn(q[6:], k[6:], v[6:], md)
-    assert torch.allclose(torch.cat([first, second]), _transformers(q, k, v, SINKS), atol=1e-5)
+    assert torch.allclose(torch.cat([first, second]), _transformers(q, k, v, SINKS, window), atol=1e-5)
 
 
 @pytest.mark.timeout(60)
