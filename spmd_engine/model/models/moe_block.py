@@ -21,8 +21,8 @@ from spmd_engine.kernels.packed_weights import linear
 from spmd_engine.model.layers import batch_invariant as bi
 from spmd_engine.model.layers.fused_moe import FusedMoE
 from spmd_engine.model.layers.mlp import SwiGLUMLP
-from spmd_engine.model.models import gpt_oss
 from spmd_engine.model.layers.moe_routing import route, route_topk_logits
+from spmd_engine.model.models import gpt_oss
 from spmd_engine.model.shard import replicated_weight_loader
 from spmd_engine.model.spec import ModelSpec
 
