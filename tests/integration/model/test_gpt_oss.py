@@ -11,10 +11,23 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
+import torch
+from dist_scripts.routed_experts import rounds
 from gpt_oss_checkpoint import WINDOW, make_gpt_oss_checkpoint
-from test_hf_reference import copy_with_config, disagreements, engine_outputs, hf_logprobs, hf_model, prompts_for
+from launch import REPO, run_torchrun
+from test_hf_reference import (
+    TIE_MARGIN,
+    copy_with_config,
+    disagreements,
+    engine_outputs,
+    hf_logprobs,
+    hf_model,
+    prompts_for,
+)
 
+from spmd_engine import LLM
 from spmd_engine.config import ConfigError
 from spmd_engine.model.spec import ModelSpec
 
@@ -50,6 +63,7 @@ def test_uni_matches_transformers(checkpoint, reference):
     assert not problems, "\n".join(problems[:10])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("change", [dict(swiglu_limit=7.0), dict(sliding_window=64)],
                          ids=["swiglu_limit", "window"])
@@ -66,3 +80,99 @@ def test_quantized_checkpoint_refused(checkpoint):
     with pytest.raises(ConfigError, match="quantization_config") as info:
         ModelSpec.from_hf_config(config)
     assert "\n" not in str(info.value)
+
+
+LAYOUTS = {
+    "tp2-pp2": dict(tensor_parallel_size=2, pipeline_parallel_size=2),
+    "tp2-ep": dict(tensor_parallel_size=2, enable_expert_parallel=True),
+    "dp2-ep": dict(data_parallel_size=2, enable_expert_parallel=True),  # token dispatch across replicas
+    "dp2": dict(data_parallel_size=2),  # each expert's width over DP x TP
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mp_layouts_match_transformers(checkpoint, reference, layout):
+    outputs = engine_outputs(checkpoint, prompts(), distributed_executor_backend="mp", **LAYOUTS[layout])
+    problems = problems_against(reference, prompts(), outputs)
+    assert not problems, "\n".join(problems[:10])
+
+
+# ---- routing replay, prefix cache, chunked prefill, preemption ----------------------------------------
+
+@torch.inference_mode()
+def hf_routing(model, ids: list[int]) -> np.ndarray:
+    """transformers' expert picks for `ids`, [len(ids), layers, k]: each GptOssTopKRouter's
+    indices (its forward returns logits, scores, indices)."""
+    picks = []
+    routers = [layer.mlp.router for layer in model.model.layers]
+    hooks = [r.register_forward_hook(lambda m, a, out: picks.append(out[2])) for r in routers]
+    try:
+        model(torch.tensor([ids]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return torch.stack([p.reshape(len(ids), -1) for p in picks], dim=1).numpy()
+
+
+def greedy_problems(hf, prompt, tokens) -> list[str]:
+    """Each generated token must be transformers' argmax (unless its top two nearly tie)."""
+    ref = hf_logprobs(hf, prompt, tokens)
+    problems = []
+    for step, token in enumerate(tokens):
+        top2 = ref[step].topk(2)
+        if token != int(top2.indices[0]) and float(top2.values[0] - top2.values[1]) > TIE_MARGIN:
+            problems.append(f"prompt of {len(prompt)} step {step}: token {token}, reference {int(top2.indices[0])}")
+    return problems
+
+
+def replay_problems(hf, result: dict) -> list[str]:
+    problems = []
+    for i, r in enumerate(result["records"]):
+        problems += greedy_problems(hf, r["prompt"], r["tokens"])
+        ours, ref = np.asarray(r["routed"]), hf_routing(hf, r["prompt"] + r["tokens"][:-1])
+        if ours.shape != ref.shape or not np.array_equal(ours, ref):
+            problems.append(f"output {i}: routed experts {ours.shape} differ from transformers' {ref.shape}")
+    return problems
+
+
+BLOCK = 8
+PER_TOKEN = 2 * 2 * 16 * 4 * 4  # K and V, 2 KV heads of 16, 4 layers, fp32
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("tight", [False, True], ids=["prefix-hits", "chunked-preempted"])
+def test_routing_replay_prefix_cache_chunks_and_preemption(checkpoint, reference, tight):
+    """Two rounds (the second's prompts are the first's sequences: prefix cache hits); `tight`:
+    8-token chunks and a KV cache of 10 blocks for 5 sequences of up to 41 tokens (preemption)."""
+    extra = dict(max_num_batched_tokens=BLOCK, kv_cache_memory_bytes=10 * BLOCK * PER_TOKEN,
+                 max_model_len=48) if tight else {}
+    with LLM(model=str(checkpoint), enable_return_routed_experts=True, block_size=BLOCK, **extra) as llm:
+        result = rounds(llm, prompts())
+    assert result["prefix_hits_tokens"] > 0
+    if tight:
+        assert result["preemptions"] > 0
+    problems = replay_problems(reference, result)
+    assert not problems, "\n".join(problems[:10])
+    r = result["records"][3]  # negative control: the same rows one position late disagree
+    assert replay_problems(reference, {"records": [dict(r, routed=[r["routed"][0]] + r["routed"][:-1])]})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("ep", [False, True], ids=["tp2-x-dp2", "tp2-ep-x-dp2"])
+def test_torchrun_tp2_dp2_matches_transformers(checkpoint, reference, tmp_path, ep):
+    """A world of 4 under torchrun: TP 2 in two external-DP replicas, every rank's outputs."""
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts()))
+    layout = dict(tensor_parallel_size=2, enable_expert_parallel=ep, block_size=BLOCK,
+                  distributed_executor_backend="external_launcher")
+    run = run_torchrun(4, [REPO / "tests" / "helpers" / "dist_scripts" / "routed_experts.py", checkpoint,
+                           tmp_path / "prompts.json", tmp_path / "out.json", json.dumps(layout)], timeout=280)
+    assert run.returncode == 0 and not run.timed_out, run.describe()
+    assert not run.leftover_pids and not run.stale_segments(), run.describe()
+    results = [json.loads((tmp_path / f"out.json.rank{r}").read_text()) for r in range(4)]
+    assert all(r["records"] == results[0]["records"] for r in results)
+    problems = replay_problems(reference, results[0])
+    assert not problems, "\n".join(problems[:10])
