@@ -32,6 +32,7 @@ BUILTIN_MODELS = {arch: _LLAMA for arch in (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
     "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")}
 BUILTIN_MODELS["Gemma3ForCausalLM"] = "spmd_engine.model.models.gemma3:Gemma3ForCausalLM"
+BUILTIN_MODELS["GptOssForCausalLM"] = _LLAMA  # its options and names: model/models/gpt_oss.py
 DEFAULT_CONFIG_ARCHITECTURE = "LlamaForCausalLM"
 
 # What the worker, model runner and loader call on a model (besides nn.Module's own, and the

@@ -21,6 +21,7 @@ from spmd_engine.model.windows import layer_windows
 SUPPORTED_ARCHITECTURES = tuple(BUILTIN_MODELS)
 # Architectures whose attention RMS-normalises q and k per head before RoPE.
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+GPT_OSS = "GptOssForCausalLM"
 # Widths past this are a typo, not a model (the largest released are near 2**14 hidden and
 # 2**16 intermediate): refused here, naming the field, instead of failing later as a KV budget
 # or an allocation nobody can read back to config.json.
@@ -58,6 +59,7 @@ class ModelSpec:
     moe: MoeSpec | None = None  # None: a dense model
     # Each layer's sliding window, None for full attention (model/windows.py); () : none anywhere.
     layer_windows: tuple[int | None, ...] = ()
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head in every softmax (sink_attention.py)
 
     def window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window (None: it attends to every earlier token)."""
@@ -95,6 +97,10 @@ class ModelSpec:
 
         hidden, heads = need("hidden_size", MAX_WIDTH), need("num_attention_heads")
         _check_dtype(cfg, source)
+        if cfg.get("quantization_config"):
+            raise ConfigError(f"{source}: quantization_config "
+                              f"({dict(cfg['quantization_config']).get('quant_method', '?')}) is not supported: "
+                              f"only unquantised (float) checkpoints load")
         kv_heads = cfg.get("num_key_value_heads") or heads
         head_dim = cfg.get("head_dim") or hidden // heads
         if hidden % heads and not cfg.get("head_dim"):
@@ -111,7 +117,7 @@ class ModelSpec:
         # Llama, Qwen3 and Qwen3-MoE: `attention_bias` puts a bias on q, k, v and o;
         # Qwen2 always has q/k/v biases, Qwen2-MoE per `qkv_bias` (default on).
         all_bias = bool(cfg.get("attention_bias", False)) and family in (
-            "LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+            "LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", GPT_OSS)
         qkv_bias = (all_bias or family == "Qwen2ForCausalLM"
                     or (family == "Qwen2MoeForCausalLM" and bool(cfg.get("qkv_bias", True))))
         windows = layer_windows(family, cfg, need("num_hidden_layers"), source)
@@ -139,6 +145,7 @@ class ModelSpec:
             qk_norm=family in QK_NORM_ARCHITECTURES,
             moe=MoeSpec.from_hf_config(family, cfg, source),
             layer_windows=windows,
+            attention_sinks=family == GPT_OSS,
         )
 
 
@@ -152,6 +159,9 @@ class MoeSpec:
     `norm_topk_prob`, sparse layers chosen by `decoder_sparse_step` and
     `mlp_only_layers`, top-k weights cast to the activation dtype; Qwen2-MoE adds
     a shared expert behind a sigmoid gate.
+    gpt-oss: `num_local_experts`, width `intermediate_size`, a router with a bias whose
+    top-k logits are softmaxed (`softmax_after_topk`), experts with biases and the clamped
+    SwiGLU (`swiglu_limit`, `swiglu_alpha`), every layer sparse.
     """
 
     num_experts: int
@@ -162,16 +172,21 @@ class MoeSpec:
     shared_expert_intermediate_size: int  # 0: none
     sparse_step: int
     mlp_only_layers: tuple[int, ...]
-    checkpoint_style: str  # "mixtral" (block_sparse_moe.experts.E.w1/w2/w3) or "qwen"
+    checkpoint_style: str  # "mixtral" (block_sparse_moe.experts.E.w1/w2/w3), "qwen" or "gpt_oss"
+    router_bias: bool = False
+    softmax_after_topk: bool = False  # softmax over the k chosen logits (else top-k of the softmax)
+    expert_bias: bool = False
+    swiglu_limit: float | None = None  # the clamped SwiGLU (gpt-oss); None: silu(gate) * up
+    swiglu_alpha: float = 1.0
 
     def is_sparse(self, layer: int) -> bool:
         return layer not in self.mlp_only_layers and (layer + 1) % self.sparse_step == 0
 
     @classmethod
     def from_hf_config(cls, arch: str, cfg: Mapping[str, Any], source: str) -> "MoeSpec | None":
-        if arch not in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        if arch not in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", GPT_OSS):
             return None
-        mixtral = arch == "MixtralForCausalLM"
+        mixtral = arch in ("MixtralForCausalLM", GPT_OSS)  # the same config keys
         experts = cfg.get("num_local_experts" if mixtral else "num_experts", 8 if mixtral else None)
         top_k = cfg.get("num_experts_per_tok", 2 if mixtral else None)
         width = cfg.get("intermediate_size" if mixtral else "moe_intermediate_size")
@@ -185,6 +200,15 @@ class MoeSpec:
         if isinstance(step, bool) or not isinstance(step, int) or step < 1:
             raise ConfigError(f"{source}: decoder_sparse_step must be a positive integer, got {step!r}")
         shared = int(cfg.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
+        if arch == GPT_OSS:
+            limit, alpha = cfg.get("swiglu_limit", 7.0), cfg.get("swiglu_alpha", 1.702)
+            for key, value in (("swiglu_limit", limit), ("swiglu_alpha", alpha)):
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                    raise ConfigError(f"{source}: '{key}' must be a positive number, got {value!r}")
+            return cls(num_experts=experts, top_k=top_k, expert_intermediate_size=width, renormalize=False,
+                       weights_in_activation_dtype=True, shared_expert_intermediate_size=0, sparse_step=1,
+                       mlp_only_layers=(), checkpoint_style="gpt_oss", router_bias=True, softmax_after_topk=True,
+                       expert_bias=True, swiglu_limit=float(limit), swiglu_alpha=float(alpha))
         return cls(num_experts=experts, top_k=top_k, expert_intermediate_size=width,
                    renormalize=mixtral or bool(cfg.get("norm_topk_prob", False)),
                    weights_in_activation_dtype=not mixtral, shared_expert_intermediate_size=shared,
@@ -217,8 +241,14 @@ def _rope(cfg: Mapping[str, Any], source: str) -> tuple[float, Mapping[str, Any]
         raise ConfigError(
             f"{source}: rope_scaling type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
         )
+    if kind == "yarn" and "original_max_position_embeddings" not in scaling:
+        # transformers' default: the top-level key where a config has one (Phi-3), else the
+        # model's own context (so a stretch of `factor` over it).
+        original = cfg.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 2048)
+        scaling = {**scaling, "original_max_position_embeddings": original}
     required = {"linear": ("factor",),
-                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+                "yarn": ("factor",)}
     for key in required.get(kind, ()):
         if key not in scaling:
             raise ConfigError(f"{source}: rope_scaling of type {kind!r} needs '{key}'")

@@ -41,6 +41,7 @@ from spmd_engine import forward_context
 from spmd_engine.forward_context import COMPILED
 from spmd_engine.kernels import decode_attention as decode_kernel
 from spmd_engine.model.layers import batch_invariant as bi
+from spmd_engine.model.layers import sink_attention
 
 PAD_LIMIT = 1.25  # a group's padded queries may exceed its real ones by at most this factor
 
@@ -286,19 +287,22 @@ class Attention(nn.Module):
     tokens (after RoPE); returns [N, num_heads * D]. With `attn=None` there
     is no cache: batched [B, T, heads, D] inputs attend causally within each
     row (training, references); returns [B, T, num_heads * D]. `sliding_window`
-    W: each query sees its last W keys (itself included) only; None: all.
+    W: each query sees its last W keys (itself included) only; None: all. `sinks` (gpt-oss):
+    an AttentionSinks module, its per-head logits in every softmax (sink_attention.py, which
+    every path then goes through).
     """
 
     batch_invariant = False  # without a cache: batch_invariant.causal_attention
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, sinks: nn.Module | None = None):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} KV heads evenly")
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window {sliding_window} must be at least 1")
         self.sliding_window = sliding_window
+        self.sinks = sinks
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -319,6 +323,8 @@ class Attention(nn.Module):
         self.uses_decode_kernel = k_cache is not None and decode_kernel.usable(k_cache.device)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttentionMetadata | None):
+        if self.sinks is not None:
+            return self._with_sinks(q, k, v, attn)
         if attn is None:
             B, T = q.shape[:2]
             if self.batch_invariant:
@@ -335,6 +341,20 @@ class Attention(nn.Module):
             return torch.ops.spmd_engine.attention(q, k, v, self.k_cache, self.v_cache, self.scale,
                                                    self.sliding_window or 0)
         return paged_attention(q, k, v, self.k_cache, self.v_cache, attn, self.scale, self.sliding_window)
+
+    def _with_sinks(self, q, k, v, attn) -> torch.Tensor:
+        sinks, window = self.sinks.weight, self.sliding_window
+        if attn is None:
+            B, T = q.shape[:2]
+            out = (bi.causal_attention(q, k, v, self.scale, window, sinks) if self.batch_invariant
+                   else sink_attention.causal(q, k, v, sinks, self.scale, window))
+            return out.reshape(B, T, self.num_heads * self.head_dim)
+        if self.k_cache is None:
+            raise RuntimeError("KV cache not allocated: the model runner allocates it before the first step")
+        if attn is COMPILED:
+            return torch.ops.spmd_engine.sink_attention(q, k, v, self.k_cache, self.v_cache, sinks, self.scale,
+                                                        window or 0)
+        return sink_attention.paged(q, k, v, self.k_cache, self.v_cache, attn, sinks, self.scale, window)
 
     def _causal(self, q, k, v) -> torch.Tensor:
         group = self.num_heads // self.num_kv_heads

@@ -350,11 +350,12 @@ def plan_tiles(context_lens: Sequence[int], query_lens: Sequence[int], row_start
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: TilePlan, scale: float,
-           window: int | None = None) -> torch.Tensor:
+           window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Packed queries [N, heads, D] over flat keys, values [S, kv_heads, D] -> [N, heads, D], each
     over its last `window` keys (None: all).
     Each bucket's tiles are gathered and attended MAX_SCORES scores at a time (tiles are
-    independent: any split), so a long context's keys are never all copied at once."""
+    independent: any split), so a long context's keys are never all copied at once. `sinks`
+    [heads]: attention sinks' logits (sink_attention.py) in every denominator."""
     qx = torch.cat([q, q.new_zeros(1, *q.shape[1:])])
     outs = []
     for b in plan.buckets:
@@ -363,12 +364,13 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: Tile
             rows = b.keys[i:i + step]
             flat = rows.reshape(-1)
             k, v = (torch.index_select(x, 0, flat).view(*rows.shape, *x.shape[1:]) for x in (keys, values))
-            outs.append(attention(qx[b.index[i:i + step]], k, v, b.q_pos[i:i + step], scale, window).flatten(0, 1))
+            outs.append(attention(qx[b.index[i:i + step]], k, v, b.q_pos[i:i + step], scale, window,
+                                  sinks).flatten(0, 1))
     return (outs[0] if len(outs) == 1 else torch.cat(outs))[plan.unpack]
 
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: torch.Tensor,
-              scale: float, window: int | None = None) -> torch.Tensor:
+              scale: float, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Tiles of queries over their sequences' keys, laid out by position.
 
     q [n, t, heads, D]; keys, values [n, L, kv_heads, D], key j at position j of the tile's
@@ -382,22 +384,22 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: 
     group, nb = heads // kv, length // KEY_BLOCK
     if nb * KEY_BLOCK != length:
         raise ValueError(f"key length {length} is not a whole number of {KEY_BLOCK}-key blocks")
-    if q.dtype == torch.bfloat16 and _sdpa_invariant(q.device.type, d, q.dtype):
+    if q.dtype == torch.bfloat16 and sinks is None and _sdpa_invariant(q.device.type, d, q.dtype):
         return _flash_tiles(q, keys, values, q_pos, scale, window)  # (the probe checks a lone sequence too)
     if n < 2:  # no product alone in its call (a lone bmm may split its sums between threads)
         pad = (0, 0, 0, 0, 0, 0, 0, 2 - n)
         return attention(F.pad(q, pad), F.pad(keys, pad), F.pad(values, pad), F.pad(q_pos, (0, 0, 0, 2 - n)),
-                         scale, window)[:n]
+                         scale, window, sinks)[:n]
     step = MIN_ROWS // math.gcd(group, MIN_ROWS)  # queries whose heads fill whole MIN_ROWS columns
     if t % step:  # fewer columns meet other kernels on some CPUs (AMD EPYC's MKL: below 16)
         extra = step - t % step
         return attention(F.pad(q, (0, 0, 0, 0, 0, extra)), keys, values, F.pad(q_pos, (0, extra)), scale,
-                         window)[:, :t]
+                         window, sinks)[:, :t]
     f32, rows = torch.float32, t * group
     keys, values = keys.to(f32), values.to(f32)  # no copy in fp32
     if d < MIN_ROWS:  # a head this narrow meets MKL's small kernels (other sums): zeros pad it
         q, keys, values = (F.pad(x, (0, MIN_ROWS - d)) for x in (q, keys, values))
-        return attention(q, keys, values, q_pos, scale, window)[..., :d]
+        return attention(q, keys, values, q_pos, scale, window, sinks)[..., :d]
     # [n, kv, D, rows]: a KV head's query heads folded into the columns; each product has the
     # keys' (or a value block's dims') rows, so a decode's few columns cost what they compute
     qf = (q.to(f32) * scale).view(n, t, kv, group, d).permute(0, 2, 4, 1, 3).reshape(n, kv, d, rows)
@@ -406,10 +408,16 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: 
     for h in range(kv):
         s = torch.bmm(keys[:, :, h], qf[:, h])  # [n, L, rows], on a strided view of the keys
         s = s.view(n, length, t, group).masked_fill(hidden, float("-inf")).view(n, length, rows)
-        p = pointwise(torch.exp, (s - s.amax(dim=1, keepdim=True)).clamp(min=EXP_FLOOR))
+        top = s.amax(dim=1, keepdim=True)
+        if sinks is not None:  # a sink per query head: column t * group + j is head h * group + j
+            sink = sinks[h * group:(h + 1) * group].float().repeat(t).view(1, 1, rows)
+            top = torch.maximum(top, sink)
+        p = pointwise(torch.exp, (s - top).clamp(min=EXP_FLOOR))
         p = p.view(n, length, t, group).masked_fill(hidden, 0).view(n * nb, KEY_BLOCK, rows)
         sums = p.transpose(1, 2).contiguous().sum(-1)  # [n * nb, rows]: a block's keys innermost
         denom = pairwise_sum(sums.view(n, nb, rows), dim=1)  # [n, rows]
+        if sinks is not None:
+            denom = denom + pointwise(torch.exp, (sink - top).clamp(min=EXP_FLOOR)).view(n, rows)
         vb = values[:, :, h].reshape(n * nb, KEY_BLOCK, d).transpose(1, 2)  # a view: [n * nb, D, KEY_BLOCK]
         acc = pairwise_sum(torch.bmm(vb, p).view(n, nb, d, rows), dim=1)  # [n, D, rows]
         outs.append((acc / denom.unsqueeze(1)).view(n, d, t, group).permute(0, 2, 3, 1))
@@ -500,11 +508,12 @@ def _blocks(keys: int) -> int:
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                     window: int | None = None) -> torch.Tensor:
+                     window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Whole rows [B, T, heads, D] (no cache), through `attend`: what a trainer runs."""
     b, t, heads, d = q.shape
     kv = k.shape[2]
     plan = plan_tiles([0] * b, [t] * b, [i * t for i in range(b)],
                       lambda seq, pos: seq.view(-1, 1) * t + pos.clamp(max=t - 1).view(1, -1), heads // kv, q.device)
-    out = attend(q.reshape(b * t, heads, d), k.reshape(b * t, kv, d), v.reshape(b * t, kv, d), plan, scale, window)
+    out = attend(q.reshape(b * t, heads, d), k.reshape(b * t, kv, d), v.reshape(b * t, kv, d), plan, scale, window,
+                 sinks)
     return out.view(b, t, heads, d)

@@ -26,6 +26,12 @@ all-reduce. All-to-all would move fewer bytes at large scale; all-gather keeps
 the step's collectives fixed in number and shape-independent of routing,
 which is what an idle replica's dummy forward must match.
 
+Options (gpt-oss): `bias` adds each expert's gate/up and down biases (the down bias once:
+on the rank holding width slice 0, so the combine's sum counts it once), `swiglu_limit` /
+`swiglu_alpha` the clamped SwiGLU; both load from HF's all-experts tensors (`gate_up_proj`
+[E, H, 2I] with gate and up interleaved column by column, `down_proj` [E, I, H], their biases),
+a rank reading only its experts' and widths' slices.
+
 Computation is batched per expert: the (token, expert) pairs are sorted by
 expert, and each expert runs two matmuls over all its tokens at once; the
 results are weighted and added back per token in expert order (HF's order).
@@ -52,14 +58,38 @@ from spmd_engine.model.shard import Loaded, check_shape, copy_into, divide, read
 
 # shard_id parts: HF's gate (w1), up (w3) and down (w2) projections of one expert
 EXPERT_PARTS = ("w1", "w3", "w2")
+# shard_id parts of the all-experts tensors (gpt-oss's names): (part, None)
+FUSED_PARTS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+
+
+def _apply(fn, x):
+    return fn(x)
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor, pointwise=_apply) -> torch.Tensor:
+    return pointwise(F.silu, gate) * up
+
+
+class ClampedSwiGLU:
+    """gpt-oss's activation: gate clamped above at `limit`, up to [-limit, limit], then
+    (up + 1) * gate * sigmoid(alpha * gate), in transformers' order of operations."""
+
+    def __init__(self, limit: float, alpha: float):
+        self.limit, self.alpha = limit, alpha
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor, pointwise=_apply) -> torch.Tensor:
+        gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * pointwise(torch.sigmoid, gate * self.alpha))
 
 
 class FusedMoE(nn.Module):
     batch_invariant = False
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, group,
-                 expert_parallel: bool = False, dispatch_group=None, dtype: torch.dtype | None = None):
+                 expert_parallel: bool = False, dispatch_group=None, dtype: torch.dtype | None = None,
+                 bias: bool = False, swiglu_limit: float | None = None, swiglu_alpha: float = 1.0):
         super().__init__()
+        self.activation = silu_and_mul if swiglu_limit is None else ClampedSwiGLU(swiglu_limit, swiglu_alpha)
         self.group = group
         self.dispatch_group = dispatch_group if dispatch_group is not None and dispatch_group.world_size > 1 \
             else None
@@ -80,6 +110,10 @@ class FusedMoE(nn.Module):
         n, w = self.num_local_experts, self.width
         self.w13_weight = nn.Parameter(torch.empty(n, 2 * w, hidden_size, dtype=dtype), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(n, hidden_size, w, dtype=dtype), requires_grad=False)
+        self.w13_bias = self.w2_bias = None
+        if bias:
+            self.w13_bias = nn.Parameter(torch.empty(n, 2 * w, dtype=dtype), requires_grad=False)
+            self.w2_bias = nn.Parameter(torch.empty(n, hidden_size, dtype=dtype), requires_grad=False)
         self.packed_batch_hint: int | None = None  # set by pack_experts
         self._packs: tuple | None = None
 
@@ -113,6 +147,8 @@ class FusedMoE(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: tuple[str, int]) -> None:
         """One HF expert matrix (`shard_id` = (part, expert)) into this rank's slot for it."""
         part, expert = shard_id
+        if part in FUSED_PARTS:
+            return self._load_fused(param, loaded, part)
         if part not in EXPERT_PARTS or expert not in self.local_experts:
             raise ValueError(f"FusedMoE holds experts {self.local_experts}, parts {EXPERT_PARTS}; "
                              f"got {part} of expert {expert}")
@@ -125,6 +161,32 @@ class FusedMoE(nn.Module):
         check_shape(loaded, (self.intermediate_size, self.hidden_size), f"expert {expert} {part}")
         offset = 0 if part == "w1" else w
         copy_into(param.data[e, offset:offset + w], read_range(loaded, 0, start, start + w))
+
+    def _load_fused(self, param: nn.Parameter, loaded: Loaded, part: str) -> None:
+        """This rank's experts (and width slice) of an all-experts HF tensor."""
+        self._packs = None
+        E, H, I = self.num_experts, self.hidden_size, self.intermediate_size
+        experts, w, start = slice(self.first_expert, self.first_expert + self.num_local_experts), self.width, \
+            self.width_start
+        both = slice(2 * start, 2 * (start + w))  # interleaved gate/up columns of widths [start, start + w)
+        if part == "gate_up_proj":
+            check_shape(loaded, (E, H, 2 * I), "experts gate_up_proj")
+            block = loaded[experts, :, both]  # [n, H, 2w]
+            copy_into(param.data, torch.cat([block[..., 0::2], block[..., 1::2]], dim=-1).transpose(1, 2))
+        elif part == "gate_up_proj_bias":
+            check_shape(loaded, (E, 2 * I), "experts gate_up_proj_bias")
+            block = loaded[experts, both]
+            copy_into(param.data, torch.cat([block[:, 0::2], block[:, 1::2]], dim=-1))
+        elif part == "down_proj":
+            check_shape(loaded, (E, I, H), "experts down_proj")
+            copy_into(param.data, loaded[experts, start:start + w, :].transpose(1, 2))
+        else:
+            check_shape(loaded, (E, H), "experts down_proj_bias")
+            copy_into(param.data, loaded[experts, :])
+
+    def _down_bias(self) -> torch.Tensor | None:
+        """The down bias where this rank adds it: once per combine (width slice 0's rank)."""
+        return self.w2_bias if self.width_start == 0 else None
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H] this rank's tokens, `weights`/`ids` [T, k] their routing -> [T, H] (all experts)."""
@@ -140,7 +202,8 @@ class FusedMoE(nn.Module):
 
     def invariant_combine(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         width_split = 1 if self.expert_parallel else self.group.world_size
-        pairs = invariant_pair_outputs(x, ids, self.w13_weight, self.w2_weight, self.first_expert, width_split)
+        pairs = invariant_pair_outputs(x, ids, self.w13_weight, self.w2_weight, self.first_expert, width_split,
+                                       self.w13_bias, self._down_bias(), self.activation)
         y = bi.gather_tree(pairs, self.group).view(*ids.shape, -1)  # [T, k, H]
         out = torch.zeros_like(x)
         for j in range(ids.shape[1]):
@@ -150,12 +213,14 @@ class FusedMoE(nn.Module):
     def compute(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's share: its experts (or its width slice of all) over the tokens routed to them."""
         w13, w2 = self._matrices()
-        return expert_outputs(x, weights, ids, w13, w2, self.first_expert)
+        return expert_outputs(x, weights, ids, w13, w2, self.first_expert, self.w13_bias, self._down_bias(),
+                              self.activation)
 
 
 def expert_outputs(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13, w2,
-                   first_expert: int = 0) -> torch.Tensor:
-    """sum over each token's experts held in (w13, w2) of weight * down(silu(gate(x)) * up(x)).
+                   first_expert: int = 0, b13=None, b2=None, activation=silu_and_mul) -> torch.Tensor:
+    """sum over each token's experts held in (w13, w2) of weight * down(silu(gate(x)) * up(x))
+    (or `activation(gate, up)`; `b13`, `b2` [experts, ...] the biases, None: none).
 
     `w13`/`w2`: [experts, ...] tensors or per-expert lists (of packed matrices).
     Experts outside [first_expert, first_expert + len(w13)) (and ids < 0, padding)
@@ -175,15 +240,15 @@ def expert_outputs(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1
     for expert, count in enumerate(counts):  # one pair of matmuls per expert, over all its tokens
         if count:
             rows = slice(start, start + count)
-            gate, up = linear(xs[rows], w13[expert]).chunk(2, dim=-1)
-            out[rows] = linear(F.silu(gate) * up, w2[expert])
+            gate, up = linear(xs[rows], w13[expert], None if b13 is None else b13[expert]).chunk(2, dim=-1)
+            out[rows] = linear(activation(gate, up), w2[expert], None if b2 is None else b2[expert])
             start += count
     scaled = (out * weights.reshape(-1)[pairs].unsqueeze(1)).to(x.dtype)
     return torch.zeros_like(x).index_add_(0, token_of, scaled)
 
 
 def invariant_pair_outputs(x: torch.Tensor, ids: torch.Tensor, w13, w2, first_expert: int,
-                           width_split: int) -> torch.Tensor:
+                           width_split: int, b13=None, b2=None, activation=silu_and_mul) -> torch.Tensor:
     """[T * k, H]: pair (t, j)'s expert output if this rank holds expert ids[t, j] (its subtree of
     the down projection when the width is split over `width_split` ranks), else zeros."""
     tokens, k = ids.shape
@@ -198,8 +263,9 @@ def invariant_pair_outputs(x: torch.Tensor, ids: torch.Tensor, w13, w2, first_ex
     for expert, count in enumerate(counts):
         if count:
             rows = slice(start, start + count)
-            gate, up = bi.linear(xs[rows], w13[expert]).chunk(2, dim=-1)
-            out[pairs[rows]] = bi.partial_tree(bi.silu(gate) * up, w2[expert], width_split)
+            gate, up = bi.linear(xs[rows], w13[expert], None if b13 is None else b13[expert]).chunk(2, dim=-1)
+            down = bi.partial_tree(activation(gate, up, bi.pointwise), w2[expert], width_split)
+            out[pairs[rows]] = down if b2 is None else down + b2[expert]
             start += count
     return out
 

@@ -7,6 +7,9 @@ models when `norm_topk_prob`). They differ in one detail that shows in bf16:
 the Qwen routers cast the k weights back to the activation dtype, Mixtral
 keeps them in float32. Reproducing that exactly is what lets greedy output
 match transformers.
+
+gpt-oss routes the other way round (`route_topk_logits`): top-k of the (biased) logits,
+then a softmax over those k alone, in the logits' dtype.
 """
 
 from __future__ import annotations
@@ -24,3 +27,9 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     if weights_in_activation_dtype:
         weights = weights.to(router_logits.dtype)
     return weights, ids
+
+
+def route_topk_logits(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, E] logits -> (weights [T, k] summing to 1, expert ids [T, k] int64), best expert first."""
+    top, ids = torch.topk(router_logits, top_k, dim=-1)
+    return torch.softmax(top, dim=-1), ids

@@ -1,5 +1,5 @@
 """Llama-family causal LM (Llama, Mistral, Qwen2, Qwen3 and the MoE Mixtral,
-Qwen2-MoE, Qwen3-MoE), one pipeline stage of it.
+Qwen2-MoE, Qwen3-MoE, gpt-oss (gpt_oss.py)), one pipeline stage of it.
 
 One class serves them all: they differ in which projections carry a bias,
 whether q and k are RMS-normalised per head (Qwen3), and whether a layer's MLP
@@ -26,6 +26,7 @@ from spmd_engine.model.layers.linear import QKVParallelLinear, RowParallelLinear
 from spmd_engine.model.layers.mlp import SwiGLUMLP
 from spmd_engine.model.layers.norm import RMSNorm
 from spmd_engine.model.layers.rotary import RotaryEmbedding, apply_rotary
+from spmd_engine.model.layers.sink_attention import AttentionSinks
 from spmd_engine.model.models.moe_block import SparseMoeBlock
 from spmd_engine.model.partition import check_model_parallel, pp_layer_range
 from spmd_engine.model.spec import ModelSpec
@@ -44,9 +45,10 @@ class LlamaAttention(nn.Module):
                                           tp_group, bias=spec.qkv_bias, dtype=dtype)
         self.o_proj = RowParallelLinear(spec.num_heads * spec.head_dim, spec.hidden_size, tp_group,
                                         bias=spec.o_bias, dtype=dtype)
+        sinks = AttentionSinks(spec.num_heads, tp_group, dtype=dtype) if spec.attention_sinks else None
         self.attn = Attention(self.qkv_proj.num_heads_per_rank, self.qkv_proj.num_kv_heads_per_rank,
                               spec.head_dim, spec.head_dim ** -0.5 if scale is None else scale,
-                              sliding_window)
+                              sliding_window, sinks)
         self.q_norm = norm(spec.head_dim, spec.rms_norm_eps, dtype=dtype) if spec.qk_norm else None
         self.k_norm = norm(spec.head_dim, spec.rms_norm_eps, dtype=dtype) if spec.qk_norm else None
 
@@ -120,7 +122,8 @@ class LlamaModel(nn.Module):
     @staticmethod
     def rotary(spec: ModelSpec) -> nn.Module:
         """What computes each step's rope tables (`cos_sin`), handed to every layer."""
-        return RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling)
+        return RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling,
+                               spec.max_position_embeddings)
 
 
 class CausalLM(CausalLMWeights, nn.Module):

@@ -1,6 +1,7 @@
 """The sparse MLP of an MoE decoder layer, and its HF tensor names.
 
-Router (a replicated [experts, hidden] matrix), the experts (FusedMoE) and,
+Router (a replicated [experts, hidden] matrix; gpt-oss: with a bias, its top-k logits
+softmaxed), the experts (FusedMoE; gpt-oss: with biases and the clamped SwiGLU) and,
 in Qwen2-MoE, a shared expert (a TP-split SwiGLU MLP) scaled by
 sigmoid(shared_expert_gate(x)). Our parameters sit under `mlp.` for every
 architecture; `hf_names` maps them to the checkpoint's per-expert tensors
@@ -20,7 +21,8 @@ from spmd_engine.kernels.packed_weights import linear
 from spmd_engine.model.layers import batch_invariant as bi
 from spmd_engine.model.layers.fused_moe import FusedMoE
 from spmd_engine.model.layers.mlp import SwiGLUMLP
-from spmd_engine.model.layers.moe_routing import route
+from spmd_engine.model.layers.moe_routing import route, route_topk_logits
+from spmd_engine.model.models import gpt_oss
 from spmd_engine.model.shard import replicated_weight_loader
 from spmd_engine.model.spec import ModelSpec
 
@@ -35,12 +37,13 @@ class ReplicatedLinear(nn.Module):
     packable_weight = True
     batch_invariant = False
 
-    def __init__(self, input_size: int, output_size: int, dtype: torch.dtype | None = None):
+    def __init__(self, input_size: int, output_size: int, dtype: torch.dtype | None = None, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (bi.linear if self.batch_invariant else linear)(x, self.weight)
+        return (bi.linear if self.batch_invariant else linear)(x, self.weight, self.bias)
 
 
 class SparseMoeBlock(nn.Module):
@@ -51,9 +54,10 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         m = spec.moe
         self.moe = m
-        self.gate = ReplicatedLinear(spec.hidden_size, m.num_experts, dtype=dtype)
+        self.gate = ReplicatedLinear(spec.hidden_size, m.num_experts, dtype=dtype, bias=m.router_bias)
         self.experts = FusedMoE(m.num_experts, spec.hidden_size, m.expert_intermediate_size, moe_group,
-                                expert_parallel=expert_parallel, dispatch_group=dispatch_group, dtype=dtype)
+                                expert_parallel=expert_parallel, dispatch_group=dispatch_group, dtype=dtype,
+                                bias=m.expert_bias, swiglu_limit=m.swiglu_limit, swiglu_alpha=m.swiglu_alpha)
         self.shared_expert = self.shared_expert_gate = None
         if m.shared_expert_intermediate_size:
             self.shared_expert = SwiGLUMLP(spec.hidden_size, m.shared_expert_intermediate_size, tp_group,
@@ -67,8 +71,11 @@ class SparseMoeBlock(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         lead = hidden.shape[:-1]
         x = hidden.reshape(-1, hidden.shape[-1])
-        weights, ids = route(self.gate(x), self.moe.top_k, self.moe.renormalize,
-                             self.moe.weights_in_activation_dtype)
+        if self.moe.softmax_after_topk:
+            weights, ids = route_topk_logits(self.gate(x), self.moe.top_k)
+        else:
+            weights, ids = route(self.gate(x), self.moe.top_k, self.moe.renormalize,
+                                 self.moe.weights_in_activation_dtype)
         if self.record_routing:
             self.routed_ids = ids
         out = self.experts(x, weights, ids)
@@ -90,6 +97,9 @@ def hf_expert_name(spec: ModelSpec, layer_prefix: str, expert: int, part: str) -
 
 def hf_names(spec: ModelSpec, param_name: str, module: nn.Module) -> Iterator[tuple[str, object]]:
     """(HF tensor name, shard_id) feeding one of our MoE parameters on this rank."""
+    if spec.moe.checkpoint_style == "gpt_oss":
+        yield from gpt_oss.hf_names(param_name)
+        return
     if ".mlp." not in param_name:
         yield param_name, None
         return
@@ -108,6 +118,8 @@ def hf_names(spec: ModelSpec, param_name: str, module: nn.Module) -> Iterator[tu
 def moe_tensor_shapes(spec: ModelSpec, layer_prefix: str) -> dict[str, tuple[int, ...]]:
     """Full HF shapes of one sparse layer's MLP tensors."""
     m, h = spec.moe, spec.hidden_size
+    if m.checkpoint_style == "gpt_oss":
+        return gpt_oss.tensor_shapes(spec, layer_prefix)
     gate = (f"{layer_prefix}block_sparse_moe.gate.weight" if m.checkpoint_style == "mixtral"
             else f"{layer_prefix}mlp.gate.weight")
     shapes = {gate: (m.num_experts, h)}

@@ -1,0 +1,178 @@
+"""gpt-oss (GptOssForCausalLM) against transformers' own model on a tiny random checkpoint
+with every feature on (tests/helpers/gpt_oss_checkpoint.py): greedy tokens equal and
+logprobs within fp32 tolerance (teacher-forced, test_hf_reference.py's check), prompts longer
+than the sliding window. Layouts: uni, TP 2 x PP 2, TP 2 with expert parallelism, DP 2 with
+EP (token dispatch); chunked prefill, prefix cache hits and preemption under the same check.
+Negative controls: the same checkpoint with its sinks zeroed, or its SwiGLU limit raised
+(config only, so our engine and a fresh transformers load disagree with the original).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from dist_scripts.routed_experts import rounds
+from gpt_oss_checkpoint import WINDOW, make_gpt_oss_checkpoint
+from launch import REPO, run_torchrun
+from test_hf_reference import (
+    TIE_MARGIN,
+    copy_with_config,
+    disagreements,
+    engine_outputs,
+    hf_logprobs,
+    hf_model,
+    prompts_for,
+)
+
+from spmd_engine import LLM
+from spmd_engine.config import ConfigError
+from spmd_engine.model.spec import ModelSpec
+
+VOCAB = 97
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_gpt_oss_checkpoint(tmp_path_factory.mktemp("gpt_oss") / "ckpt", seed=3)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    return hf_model(checkpoint)
+
+
+def problems_against(hf, prompts, outputs) -> list[str]:
+    problems = []
+    for prompt, (tokens, logprobs) in zip(prompts, outputs, strict=True):
+        problems += disagreements(prompt, tokens, logprobs, hf_logprobs(hf, prompt, tokens))
+    return problems
+
+
+def prompts() -> list[list[int]]:
+    out = prompts_for(VOCAB)
+    assert max(len(p) for p in out) > 2 * WINDOW  # the window hides early tokens
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_uni_matches_transformers(checkpoint, reference):
+    problems = problems_against(reference, prompts(), engine_outputs(checkpoint, prompts()))
+    assert not problems, "\n".join(problems[:10])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("change", [dict(swiglu_limit=7.0), dict(sliding_window=64)],
+                         ids=["swiglu_limit", "window"])
+def test_negative_control_config_changes_are_caught(checkpoint, reference, tmp_path, change):
+    """Our engine on the same weights with one feature changed must disagree with transformers."""
+    changed = copy_with_config(checkpoint, tmp_path / "changed", **change)
+    assert problems_against(reference, prompts(), engine_outputs(changed, prompts()))
+
+
+@pytest.mark.timeout(60)
+def test_quantized_checkpoint_refused(checkpoint):
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    with pytest.raises(ConfigError, match="quantization_config") as info:
+        ModelSpec.from_hf_config(config)
+    assert "\n" not in str(info.value)
+
+
+LAYOUTS = {
+    "tp2-pp2": dict(tensor_parallel_size=2, pipeline_parallel_size=2),
+    "tp2-ep": dict(tensor_parallel_size=2, enable_expert_parallel=True),
+    "dp2-ep": dict(data_parallel_size=2, enable_expert_parallel=True),  # token dispatch across replicas
+    "dp2": dict(data_parallel_size=2),  # each expert's width over DP x TP
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mp_layouts_match_transformers(checkpoint, reference, layout):
+    outputs = engine_outputs(checkpoint, prompts(), distributed_executor_backend="mp", **LAYOUTS[layout])
+    problems = problems_against(reference, prompts(), outputs)
+    assert not problems, "\n".join(problems[:10])
+
+
+# ---- routing replay, prefix cache, chunked prefill, preemption ----------------------------------------
+
+@torch.inference_mode()
+def hf_routing(model, ids: list[int]) -> np.ndarray:
+    """transformers' expert picks for `ids`, [len(ids), layers, k]: each GptOssTopKRouter's
+    indices (its forward returns logits, scores, indices)."""
+    picks = []
+    routers = [layer.mlp.router for layer in model.model.layers]
+    hooks = [r.register_forward_hook(lambda m, a, out: picks.append(out[2])) for r in routers]
+    try:
+        model(torch.tensor([ids]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return torch.stack([p.reshape(len(ids), -1) for p in picks], dim=1).numpy()
+
+
+def greedy_problems(hf, prompt, tokens) -> list[str]:
+    """Each generated token must be transformers' argmax (unless its top two nearly tie)."""
+    ref = hf_logprobs(hf, prompt, tokens)
+    problems = []
+    for step, token in enumerate(tokens):
+        top2 = ref[step].topk(2)
+        if token != int(top2.indices[0]) and float(top2.values[0] - top2.values[1]) > TIE_MARGIN:
+            problems.append(f"prompt of {len(prompt)} step {step}: token {token}, reference {int(top2.indices[0])}")
+    return problems
+
+
+def replay_problems(hf, result: dict) -> list[str]:
+    problems = []
+    for i, r in enumerate(result["records"]):
+        problems += greedy_problems(hf, r["prompt"], r["tokens"])
+        ours, ref = np.asarray(r["routed"]), hf_routing(hf, r["prompt"] + r["tokens"][:-1])
+        if ours.shape != ref.shape or not np.array_equal(ours, ref):
+            problems.append(f"output {i}: routed experts {ours.shape} differ from transformers' {ref.shape}")
+    return problems
+
+
+BLOCK = 8
+PER_TOKEN = 2 * 2 * 16 * 4 * 4  # K and V, 2 KV heads of 16, 4 layers, fp32
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("tight", [False, True], ids=["prefix-hits", "chunked-preempted"])
+def test_routing_replay_prefix_cache_chunks_and_preemption(checkpoint, reference, tight):
+    """Two rounds (the second's prompts are the first's sequences: prefix cache hits); `tight`:
+    8-token chunks and a KV cache of 10 blocks for 5 sequences of up to 41 tokens (preemption)."""
+    extra = dict(max_num_batched_tokens=BLOCK, kv_cache_memory_bytes=10 * BLOCK * PER_TOKEN,
+                 max_model_len=48) if tight else {}
+    with LLM(model=str(checkpoint), enable_return_routed_experts=True, block_size=BLOCK, **extra) as llm:
+        result = rounds(llm, prompts())
+    assert result["prefix_hits_tokens"] > 0
+    if tight:
+        assert result["preemptions"] > 0
+    problems = replay_problems(reference, result)
+    assert not problems, "\n".join(problems[:10])
+    r = result["records"][3]  # negative control: the same rows one position late disagree
+    assert replay_problems(reference, {"records": [dict(r, routed=[r["routed"][0]] + r["routed"][:-1])]})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("ep", [False, True], ids=["tp2-x-dp2", "tp2-ep-x-dp2"])
+def test_torchrun_tp2_dp2_matches_transformers(checkpoint, reference, tmp_path, ep):
+    """A world of 4 under torchrun: TP 2 in two external-DP replicas, every rank's outputs."""
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts()))
+    layout = dict(tensor_parallel_size=2, enable_expert_parallel=ep, block_size=BLOCK,
+                  distributed_executor_backend="external_launcher")
+    run = run_torchrun(4, [REPO / "tests" / "helpers" / "dist_scripts" / "routed_experts.py", checkpoint,
+                           tmp_path / "prompts.json", tmp_path / "out.json", json.dumps(layout)], timeout=280)
+    assert run.returncode == 0 and not run.timed_out, run.describe()
+    assert not run.leftover_pids and not run.stale_segments(), run.describe()
+    results = [json.loads((tmp_path / f"out.json.rank{r}").read_text()) for r in range(4)]
+    assert all(r["records"] == results[0]["records"] for r in results)
+    problems = replay_problems(reference, results[0])
+    assert not problems, "\n".join(problems[:10])
