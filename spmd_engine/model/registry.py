@@ -31,6 +31,8 @@ _LLAMA = "spmd_engine.model.models.llama:CausalLM"
 BUILTIN_MODELS = {arch: _LLAMA for arch in (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
     "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")}
+BUILTIN_MODELS.update({arch: "spmd_engine.model.models.deepseek:DeepseekForCausalLM"
+                       for arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")})
 DEFAULT_CONFIG_ARCHITECTURE = "LlamaForCausalLM"
 
 # What the worker, model runner and loader call on a model (besides nn.Module's own, and the

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from spmd_engine.config import ConfigError
+from spmd_engine.model.layers.grouped_routing import GroupedTopK
 from spmd_engine.model.layers.rotary import SUPPORTED_ROPE_TYPES, rope_type_of
+from spmd_engine.model.mla_spec import MLA_ARCHITECTURES, MlaSpec, deepseek_moe_fields
 from spmd_engine.model.registry import BUILTIN_MODELS, ModelRegistry
 
 # The built-in architectures (model/registry.py maps every architecture to its class).
@@ -49,6 +51,7 @@ class ModelSpec:
     sliding_window: int | None
     qk_norm: bool = False
     moe: MoeSpec | None = None  # None: a dense model
+    mla: MlaSpec | None = None  # DeepSeek's latent attention (then num_kv_heads 1, head_dim the rotary width)
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and self.moe.is_sparse(layer)
@@ -75,9 +78,10 @@ class ModelSpec:
 
         hidden, heads = need("hidden_size", MAX_WIDTH), need("num_attention_heads")
         _check_dtype(cfg, source)
-        kv_heads = cfg.get("num_key_value_heads") or heads
-        head_dim = cfg.get("head_dim") or hidden // heads
-        if hidden % heads and not cfg.get("head_dim"):
+        mla = MlaSpec.from_hf_config(family, cfg, source)
+        kv_heads = 1 if mla else cfg.get("num_key_value_heads") or heads
+        head_dim = mla.qk_rope_head_dim if mla else cfg.get("head_dim") or hidden // heads
+        if hidden % heads and not cfg.get("head_dim") and not mla:
             raise ConfigError(f"{source}: hidden_size {hidden} is not divisible by num_attention_heads {heads}")
         if heads % kv_heads:
             raise ConfigError(
@@ -117,6 +121,7 @@ class ModelSpec:
             sliding_window=int(window) if window else None,
             qk_norm=family in QK_NORM_ARCHITECTURES,
             moe=MoeSpec.from_hf_config(family, cfg, source),
+            mla=mla,
         )
 
 
@@ -140,13 +145,17 @@ class MoeSpec:
     shared_expert_intermediate_size: int  # 0: none
     sparse_step: int
     mlp_only_layers: tuple[int, ...]
-    checkpoint_style: str  # "mixtral" (block_sparse_moe.experts.E.w1/w2/w3) or "qwen"
+    checkpoint_style: str  # "mixtral" (block_sparse_moe.experts.E.w1/w2/w3), "qwen" or "deepseek"
+    grouped: GroupedTopK | None = None  # DeepSeek's router (grouped_routing.py) instead of softmax top-k
+    shared_expert_gated: bool = True  # Qwen2-MoE's sigmoid gate; DeepSeek's shared experts are always on
 
     def is_sparse(self, layer: int) -> bool:
         return layer not in self.mlp_only_layers and (layer + 1) % self.sparse_step == 0
 
     @classmethod
     def from_hf_config(cls, arch: str, cfg: Mapping[str, Any], source: str) -> "MoeSpec | None":
+        if arch in MLA_ARCHITECTURES:
+            return cls(**deepseek_moe_fields(arch, cfg, source))
         if arch not in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
             return None
         mixtral = arch == "MixtralForCausalLM"

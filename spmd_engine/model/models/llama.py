@@ -67,10 +67,11 @@ class LlamaAttention(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block; the residual stream travels beside the hidden state."""
 
-    def __init__(self, spec: ModelSpec, tp_group, dtype: torch.dtype, layer: int = 0, moe: dict | None = None):
+    def __init__(self, spec: ModelSpec, tp_group, dtype: torch.dtype, layer: int = 0, moe: dict | None = None,
+                 attention_class: type[nn.Module] = LlamaAttention):
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype)
-        self.self_attn = LlamaAttention(spec, tp_group, dtype)
+        self.self_attn = attention_class(spec, tp_group, dtype)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype)
         if spec.is_moe_layer(layer):
             self.mlp = SparseMoeBlock(spec, tp_group, dtype=dtype, **(moe or {"moe_group": tp_group,
@@ -97,13 +98,13 @@ class LlamaModel(nn.Module):
     """
 
     def __init__(self, spec: ModelSpec, tp_group, layer_range: tuple[int, int], first: bool, last: bool,
-                 dtype: torch.dtype, moe: dict | None = None):
+                 dtype: torch.dtype, moe: dict | None = None, attention_class: type[nn.Module] = LlamaAttention):
         super().__init__()
         self.embed_tokens = (VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp_group, dtype=dtype)
                              if first else None)
         # Keyed by the global layer index so parameter names match the checkpoint.
         self.layers = nn.ModuleDict(
-            {str(i): LlamaDecoderLayer(spec, tp_group, dtype, i, moe) for i in range(*layer_range)}
+            {str(i): LlamaDecoderLayer(spec, tp_group, dtype, i, moe, attention_class) for i in range(*layer_range)}
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype) if last else None
         self.rotary_emb = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling)
@@ -132,6 +133,8 @@ class CausalLM(CausalLMWeights, nn.Module):
     # A subclass registered (model/registry.py) under an architecture name of its own: the
     # built-in architecture whose config.json reading it follows (None: LlamaForCausalLM's).
     hf_config_architecture: str | None = None
+    # The decoder layers' attention (a family's own: models/deepseek.py's latent attention).
+    attention_class: type[nn.Module] = LlamaAttention
 
     def __init__(self, hf_config: Mapping[str, Any], tp_group, pp_group, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", pp_partition: str | None = None, moe_group=None,
@@ -150,7 +153,7 @@ class CausalLM(CausalLMWeights, nn.Module):
         with torch.device(device):
             moe = dict(moe_group=moe_group, expert_parallel=expert_parallel, dispatch_group=dispatch_group)
             self.model = LlamaModel(spec, tp_group, (self.start_layer, self.end_layer),
-                                    self.is_first_stage, self.is_last_stage, dtype, moe)
+                                    self.is_first_stage, self.is_last_stage, dtype, moe, self.attention_class)
             self.lm_head = (ParallelLMHead(spec.vocab_size, spec.hidden_size, tp_group, dtype=dtype)
                             if self.is_last_stage else None)
         self.tie_weights()
