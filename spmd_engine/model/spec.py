@@ -204,8 +204,14 @@ def _rope(cfg: Mapping[str, Any], source: str) -> tuple[float, Mapping[str, Any]
         raise ConfigError(
             f"{source}: rope_scaling type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
         )
+    if kind == "yarn" and "original_max_position_embeddings" not in scaling:
+        # transformers' default: the top-level key where a config has one (Phi-3), else the
+        # model's own context (so a stretch of `factor` over it).
+        original = cfg.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 2048)
+        scaling = {**scaling, "original_max_position_embeddings": original}
     required = {"linear": ("factor",),
-                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+                "yarn": ("factor",)}
     for key in required.get(kind, ()):
         if key not in scaling:
             raise ConfigError(f"{source}: rope_scaling of type {kind!r} needs '{key}'")

@@ -107,7 +107,8 @@ class LlamaModel(nn.Module):
             {str(i): LlamaDecoderLayer(spec, tp_group, dtype, i, moe, attention_class) for i in range(*layer_range)}
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype) if last else None
-        self.rotary_emb = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling)
+        self.rotary_emb = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling,
+                                          spec.max_position_embeddings)
 
 
 class CausalLM(CausalLMWeights, nn.Module):

@@ -324,8 +324,8 @@ def test_rope_scaling_llama3_matches_transformers():
 def test_unsupported_rope_type_is_refused():
     from spmd_engine.model.layers.rotary import inv_frequencies
 
-    with pytest.raises(ValueError, match="yarn"):
-        inv_frequencies(16, 10000.0, {"rope_type": "yarn", "factor": 2.0})
+    with pytest.raises(ValueError, match="dynamic"):
+        inv_frequencies(16, 10000.0, {"rope_type": "dynamic", "factor": 2.0})
 
 
 def test_attention_pure_decode_batch_matches_no_cache():

@@ -226,7 +226,7 @@ def _config(**overrides):
      "unsupported architecture GPT2LMHeadModel in config.json; supported: LlamaForCausalLM"),
     (1, 1, {"hidden_size": None}, "'hidden_size' must be a positive integer"),
     (1, 1, {"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
-    (1, 1, {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn' is not supported"),
+    (1, 1, {"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "rope_scaling type 'dynamic' is not supported"),
     (1, 1, {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "needs 'low_freq_factor'"),
 ])
 def test_check_model_parallel_rejects_bad_layouts(tp, pp, config, match):
