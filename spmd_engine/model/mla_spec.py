@@ -94,7 +94,7 @@ def deepseek_moe_fields(arch: str, cfg: Mapping[str, Any], source: str) -> dict[
         if cfg.get(key, value) != value:
             raise ConfigError(f"{source}: '{key}' {cfg[key]!r} is not supported for {arch} (only {value!r})")
     method = "noaux_tc" if v3 else cfg.get("topk_method", "greedy")
-    if method not in ("noaux_tc", "greedy", "group_limited_greedy"):
+    if method not in (("noaux_tc",) if v3 else ("greedy", "group_limited_greedy")):
         raise ConfigError(f"{source}: 'topk_method' {method!r} is not supported for {arch} "
                           f"(greedy, group_limited_greedy)")
     groups, kept = 1, 1

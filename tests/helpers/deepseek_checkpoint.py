@@ -10,15 +10,21 @@ from pathlib import Path
 import torch
 from conftest import require_reference
 
-COMMON = dict(vocab_size=131, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+COMMON = dict(vocab_size=157, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
               num_attention_heads=4, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2,
               kv_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, n_group=2, topk_group=1,
               first_k_dense_replace=2, max_position_embeddings=512, tie_word_embeddings=False)
+# YaRN with a short original context, so every prompt is past it; mscale != mscale_all_dim puts
+# a factor on cos/sin as well as on the softmax scale.
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8,
+        "mscale": 1.0, "mscale_all_dim": 0.7, "beta_fast": 32.0, "beta_slow": 1.0}
 CONFIGS = {
-    "v3": dict(COMMON, q_lora_rank=48, norm_topk_prob=True, routed_scaling_factor=2.5, rope_interleave=True),
+    "v3": dict(COMMON, q_lora_rank=48, norm_topk_prob=True, routed_scaling_factor=2.5, rope_interleave=True,
+               rope_parameters=YARN),
     "v3-plainrope": dict(COMMON, q_lora_rank=48, norm_topk_prob=False, routed_scaling_factor=1.5,
                          rope_interleave=False),
-    "v2": dict(COMMON, q_lora_rank=None, topk_method="group_limited_greedy", routed_scaling_factor=1.5),
+    "v2": dict(COMMON, q_lora_rank=None, topk_method="group_limited_greedy", routed_scaling_factor=1.5,
+               rope_parameters=dict(YARN, mscale_all_dim=1.0, factor=2.0)),
 }
 
 

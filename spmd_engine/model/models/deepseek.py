@@ -17,7 +17,6 @@ heads' slices of the projections). Parameter names are transformers' own.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Mapping
 
 import torch
@@ -27,8 +26,7 @@ from spmd_engine.config import ConfigError
 from spmd_engine.model.layers.attention import Attention, AttentionMetadata
 from spmd_engine.model.layers.linear import ColumnParallelLinear, RowParallelLinear
 from spmd_engine.model.layers.norm import RMSNorm
-from spmd_engine.model.layers.rotary import apply_rotary, rope_type_of
-from spmd_engine.model.mla_spec import MlaSpec
+from spmd_engine.model.layers.rotary import apply_rotary, rope_type_of, yarn_factor, yarn_mscale
 from spmd_engine.model.models.llama import CausalLM
 from spmd_engine.model.models.moe_block import ReplicatedLinear
 from spmd_engine.model.spec import ModelSpec
@@ -46,13 +44,12 @@ def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     return torch.cat([even * cos - odd * sin, odd * cos + even * sin], dim=-1)
 
 
-def softmax_scale(mla: MlaSpec, rope_scaling: Mapping[str, Any] | None) -> float:
+def softmax_scale(spec: ModelSpec) -> float:
     """1 / sqrt(qk_head_dim), times YaRN's mscale(factor, mscale_all_dim) squared: DeepSeek scales
     every dimension's scores, not only the rotary ones the rope's attention factor reaches."""
-    scale = mla.qk_head_dim ** -0.5
-    if rope_scaling and rope_type_of(rope_scaling) != "default" and rope_scaling.get("mscale_all_dim"):
-        factor = float(rope_scaling["factor"])
-        mscale = 0.1 * float(rope_scaling["mscale_all_dim"]) * math.log(factor) + 1.0 if factor > 1 else 1.0
+    scale, scaling = spec.mla.qk_head_dim ** -0.5, spec.rope_scaling
+    if scaling and rope_type_of(scaling) == "yarn" and scaling.get("mscale_all_dim"):
+        mscale = yarn_mscale(yarn_factor(scaling, spec.max_position_embeddings), float(scaling["mscale_all_dim"]))
         scale *= mscale * mscale
     return scale
 
@@ -85,7 +82,7 @@ class MLAttention(nn.Module):
                                             tp_group, dtype=dtype)
         self.o_proj = RowParallelLinear(spec.num_heads * m.v_head_dim, h, tp_group, dtype=dtype)
         self.heads = spec.num_heads // tp_group.world_size
-        self.attn = Attention(self.heads, 1, m.cache_width, softmax_scale(m, spec.rope_scaling),
+        self.attn = Attention(self.heads, 1, m.cache_width, softmax_scale(spec),
                               head_dim_v=m.kv_lora_rank)
         self.rotate = rotate_interleaved if m.rope_interleave else apply_rotary
 
