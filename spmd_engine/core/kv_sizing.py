@@ -137,6 +137,8 @@ def plan_kv(config: EngineConfig, spec, itemsize: int, available_bytes: int, pro
     tp = pc.tensor_parallel_size
     kv_heads = 1 if tp > spec.num_kv_heads else spec.num_kv_heads // tp  # TP > KV heads replicates them
     per_token = kv_bytes_per_token(layers, kv_heads, spec.head_dim, itemsize)
+    if spec.mla is not None:  # DeepSeek: one latent + rotary key per token, every rank
+        per_token = layers * spec.mla.cache_width * itemsize
     if cache.kv_cache_memory_bytes is not None:
         return KVPlan(per_token, cache.kv_cache_memory_bytes, cache.block_size, "--kv-cache-memory-bytes")
     if config.device != "cpu":

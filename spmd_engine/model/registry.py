@@ -33,6 +33,8 @@ BUILTIN_MODELS = {arch: _LLAMA for arch in (
     "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")}
 BUILTIN_MODELS["Gemma3ForCausalLM"] = "spmd_engine.model.models.gemma3:Gemma3ForCausalLM"
 BUILTIN_MODELS["GptOssForCausalLM"] = _LLAMA  # its options and names: model/models/gpt_oss.py
+BUILTIN_MODELS.update({arch: "spmd_engine.model.models.deepseek:DeepseekForCausalLM"
+                       for arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")})
 DEFAULT_CONFIG_ARCHITECTURE = "LlamaForCausalLM"
 
 # What the worker, model runner and loader call on a model (besides nn.Module's own, and the

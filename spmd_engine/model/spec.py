@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from spmd_engine.config import ConfigError
+from spmd_engine.model.layers.grouped_routing import GroupedTopK
 from spmd_engine.model.layers.rotary import SUPPORTED_ROPE_TYPES, rope_type_of
+from spmd_engine.model.mla_spec import MLA_ARCHITECTURES, MlaSpec, deepseek_moe_fields
 from spmd_engine.model.registry import BUILTIN_MODELS, ModelRegistry
 from spmd_engine.model.windows import layer_windows
 
@@ -60,6 +62,7 @@ class ModelSpec:
     # Each layer's sliding window, None for full attention (model/windows.py); () : none anywhere.
     layer_windows: tuple[int | None, ...] = ()
     attention_sinks: bool = False  # gpt-oss: a learned logit per head in every softmax (sink_attention.py)
+    mla: MlaSpec | None = None  # DeepSeek's latent attention (then num_kv_heads 1, head_dim the rotary width)
 
     def window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window (None: it attends to every earlier token)."""
@@ -101,9 +104,10 @@ class ModelSpec:
             raise ConfigError(f"{source}: quantization_config "
                               f"({dict(cfg['quantization_config']).get('quant_method', '?')}) is not supported: "
                               f"only unquantised (float) checkpoints load")
-        kv_heads = cfg.get("num_key_value_heads") or heads
-        head_dim = cfg.get("head_dim") or hidden // heads
-        if hidden % heads and not cfg.get("head_dim"):
+        mla = MlaSpec.from_hf_config(family, cfg, source)
+        kv_heads = 1 if mla else cfg.get("num_key_value_heads") or heads
+        head_dim = mla.qk_rope_head_dim if mla else cfg.get("head_dim") or hidden // heads
+        if hidden % heads and not cfg.get("head_dim") and not mla:
             raise ConfigError(f"{source}: hidden_size {hidden} is not divisible by num_attention_heads {heads}")
         if heads % kv_heads:
             raise ConfigError(
@@ -146,6 +150,7 @@ class ModelSpec:
             moe=MoeSpec.from_hf_config(family, cfg, source),
             layer_windows=windows,
             attention_sinks=family == GPT_OSS,
+            mla=mla,
         )
 
 
@@ -172,18 +177,22 @@ class MoeSpec:
     shared_expert_intermediate_size: int  # 0: none
     sparse_step: int
     mlp_only_layers: tuple[int, ...]
-    checkpoint_style: str  # "mixtral" (block_sparse_moe.experts.E.w1/w2/w3), "qwen" or "gpt_oss"
+    checkpoint_style: str  # "mixtral" (block_sparse_moe.experts.E.w1/w2/w3), "qwen", "gpt_oss" or "deepseek"
     router_bias: bool = False
     softmax_after_topk: bool = False  # softmax over the k chosen logits (else top-k of the softmax)
     expert_bias: bool = False
     swiglu_limit: float | None = None  # the clamped SwiGLU (gpt-oss); None: silu(gate) * up
     swiglu_alpha: float = 1.0
+    grouped: GroupedTopK | None = None  # DeepSeek's router (grouped_routing.py) instead of softmax top-k
+    shared_expert_gated: bool = True  # Qwen2-MoE's sigmoid gate; DeepSeek's shared experts are always on
 
     def is_sparse(self, layer: int) -> bool:
         return layer not in self.mlp_only_layers and (layer + 1) % self.sparse_step == 0
 
     @classmethod
     def from_hf_config(cls, arch: str, cfg: Mapping[str, Any], source: str) -> "MoeSpec | None":
+        if arch in MLA_ARCHITECTURES:
+            return cls(**deepseek_moe_fields(arch, cfg, source))
         if arch not in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", GPT_OSS):
             return None
         mixtral = arch in ("MixtralForCausalLM", GPT_OSS)  # the same config keys

@@ -228,10 +228,11 @@ def hf_tensor_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
         shapes.update({p + norm + ".weight": (h,) for norm in spec.layer_norm_names()})
-        shapes.update({
-            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-        })
+        if spec.mla is not None:
+            shapes.update(spec.mla.tensor_shapes(p, h, spec.num_heads))
+        else:
+            shapes.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                           p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q)})
         if spec.is_moe_layer(i):
             shapes.update(moe_tensor_shapes(spec, p))
         else:

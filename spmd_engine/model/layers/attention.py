@@ -290,12 +290,18 @@ class Attention(nn.Module):
     W: each query sees its last W keys (itself included) only; None: all. `sinks` (gpt-oss):
     an AttentionSinks module, its per-head logits in every softmax (sink_attention.py, which
     every path then goes through).
+
+    With `head_dim_v` < head_dim the values are the first head_dim_v channels of the keys
+    (DeepSeek's latent attention: the key is [latent, rotary key], the value the latent): one
+    cache tensor is bound as both K and V cache, only the keys are written, and outputs are
+    [..., num_heads * head_dim_v].
     """
 
     batch_invariant = False  # without a cache: batch_invariant.causal_attention
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None, sinks: nn.Module | None = None):
+                 sliding_window: int | None = None, sinks: nn.Module | None = None,
+                 head_dim_v: int | None = None):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} KV heads evenly")
@@ -306,6 +312,7 @@ class Attention(nn.Module):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.head_dim_v = head_dim_v or head_dim
         self.scale = scale
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
@@ -320,7 +327,8 @@ class Attention(nn.Module):
         self.k_cache, self.v_cache = k_cache, v_cache
         # Asked here, outside any trace: through dynamo (a backend other than inductor's
         # packages) the first ask, which builds and tries the kernel, broke the graph.
-        self.uses_decode_kernel = k_cache is not None and decode_kernel.usable(k_cache.device)
+        self.uses_decode_kernel = (k_cache is not None and self.head_dim_v == self.head_dim
+                                   and decode_kernel.usable(k_cache.device))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttentionMetadata | None):
         if self.sinks is not None:
@@ -329,8 +337,8 @@ class Attention(nn.Module):
             B, T = q.shape[:2]
             if self.batch_invariant:
                 out = bi.causal_attention(q, k, v, self.scale, self.sliding_window)
-                return out.reshape(B, T, self.num_heads * self.head_dim)
-            return self._causal(q, k, v).reshape(B, T, self.num_heads * self.head_dim)
+                return out.reshape(B, T, self.num_heads * self.head_dim_v)
+            return self._causal(q, k, v).reshape(B, T, self.num_heads * self.head_dim_v)
         if self.k_cache is None:
             raise RuntimeError("KV cache not allocated: the model runner allocates it before the first step")
         if isinstance(attn, tuple):  # a DecodeStep's tensors, traced into the compiled graph
@@ -375,15 +383,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                     v_cache: torch.Tensor, attn: AttentionMetadata, scale: float,
                     window: int | None = None) -> torch.Tensor:
     """Write the step's K/V to their slots, then attend: q [N, heads, D], k and v [N, kv_heads, D]
-    packed tokens, each query over its last `window` keys (None: all); returns [N, heads * D].
-    Heads and sizes are read from the shapes. A decode-shaped step goes to the decode attention
+    packed tokens, each query over its last `window` keys (None: all); returns [N, heads * Dv].
+    Heads and sizes are read from the shapes: v narrower than k is the keys' first Dv channels
+    (Attention's head_dim_v), not written. A decode-shaped step goes to the decode attention
     kernel where it is usable (CPU)."""
-    heads, kv, D = q.shape[1], k.shape[1], q.shape[2]
-    if decode_kernel.usable(q.device) and (step := attn.decode_step()) is not None:
+    heads, kv, D, Dv = q.shape[1], k.shape[1], q.shape[2], v.shape[2]
+    if Dv == D and decode_kernel.usable(q.device) and (step := attn.decode_step()) is not None:
         return decode_kernel.decode(q, k, v, k_cache, v_cache, step, scale, window)  # writes the K/V too
     if attn.slot_mapping is not None:  # None: a dummy step (DP waves) writes nothing
         k_cache.view(-1, kv, D).index_copy_(0, attn.slot_mapping, k)
-        v_cache.view(-1, kv, D).index_copy_(0, attn.slot_mapping, v)
+        if Dv == D:
+            v_cache.view(-1, kv, D).index_copy_(0, attn.slot_mapping, v)
     if attn.tiles is not None:
         out = bi.attend(q, k_cache.view(-1, kv, D), v_cache.view(-1, kv, D), attn.tiles.plan(heads // kv), scale,
                         window)
@@ -391,7 +401,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     outs = [_attend(q[g.start:g.end], k[g.start:g.end], v[g.start:g.end], g, k_cache, v_cache, scale, window)
             for g in attn.groups]
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
-    return out.reshape(attn.num_tokens, heads * D)
+    return out.reshape(attn.num_tokens, heads * Dv)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -405,12 +415,13 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     `window` the layer's sliding window (None: all keys); returns [N, heads * D]."""
     slots, block_tables, seq_lens = step
     N, heads, D = q.shape
-    kv, block_size, nb = k.shape[1], k_cache.shape[1], block_tables.shape[1]
+    kv, block_size, nb, Dv = k.shape[1], k_cache.shape[1], block_tables.shape[1], v.shape[2]
     k_cache.view(-1, kv, D).index_copy_(0, slots, k)
-    v_cache.view(-1, kv, D).index_copy_(0, slots, v)
+    if Dv == D:  # else the values are the keys' first Dv channels (Attention's head_dim_v)
+        v_cache.view(-1, kv, D).index_copy_(0, slots, v)
     L = nb * block_size
     keys = k_cache[block_tables].view(N, L, kv, D).permute(0, 2, 1, 3).unsqueeze(2)  # [N, kv, 1, L, D]
-    values = v_cache[block_tables].view(N, L, kv, D).permute(0, 2, 1, 3).unsqueeze(2)
+    values = v_cache[block_tables].view(N, L, kv, D).permute(0, 2, 1, 3).unsqueeze(2)[..., :Dv]
     # The query heads sharing a KV head side by side (the order SDPA's enable_gqa uses).
     scores = (q.view(N, kv, heads // kv, 1, D).float() * keys.float()).sum(-1) * scale  # [N, kv, group, L]
     keys_at = torch.arange(L, device=q.device).view(1, 1, 1, L)
@@ -418,13 +429,13 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     if window is not None:
         seen = seen & (keys_at >= seq_lens.view(N, 1, 1, 1) - window)
     p = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1)
-    out = (p.unsqueeze(-1) * values.float()).sum(-2)  # [N, kv, group, D]
-    return out.reshape(N, heads * D).to(q.dtype)
+    out = (p.unsqueeze(-1) * values.float()).sum(-2)  # [N, kv, group, Dv]
+    return out.reshape(N, heads * Dv).to(q.dtype)
 
 
 def _attend(q, k, v, g: RowGroup, k_cache, v_cache, scale, window=None) -> torch.Tensor:
     """The group's outputs [n, heads, D] for its packed q [n, heads, D] (k, v: its new tokens)."""
-    G, T, heads, D, kv = g.num_rows, g.width, q.shape[1], q.shape[2], k.shape[1]
+    G, T, heads, D, kv, Dv = g.num_rows, g.width, q.shape[1], q.shape[2], k.shape[1], v.shape[2]
     qg = _padded(q, g)  # [G, heads, T, D]
     if g.block_tables is None:  # fresh prompts: causal over their own new tokens
         mask = g.window_mask(window, q.device) if window is not None else None
@@ -436,14 +447,15 @@ def _attend(q, k, v, g: RowGroup, k_cache, v_cache, scale, window=None) -> torch
         # 2-D table gathers element by element (the profile's largest non-matmul cost).
         blocks = g.block_tables.reshape(-1)
         keys = k_cache.index_select(0, blocks).view(G, L, kv, D).transpose(1, 2)  # [G, kv, L, D]
-        values = v_cache.index_select(0, blocks).view(G, L, kv, D).transpose(1, 2)
+        values = (v_cache.index_select(0, blocks).view(G, L, kv, D).transpose(1, 2) if Dv == D
+                  else keys[..., :Dv])  # the values are the keys' first Dv channels
         # The query heads sharing a KV head folded into the query axis, [G, kv, group * T, D]:
         # grouped-query attention without copying K/V per head (enable_gqa expands them).
         group = heads // kv
         out = F.scaled_dot_product_attention(qg.reshape(G, kv, group * T, D), keys, values,
                                              attn_mask=g.folded_mask(group, window), scale=scale)
-        out = out.reshape(G, heads, T, D)  # a view fails on CUDA, whose SDPA may lay its output out otherwise
-    out = out.transpose(1, 2).reshape(G * T, heads, D)
+        out = out.reshape(G, heads, T, Dv)  # a view fails on CUDA, whose SDPA may lay its output out otherwise
+    out = out.transpose(1, 2).reshape(G * T, heads, Dv)
     return out if g.pad_index is None else out[g.pad_index]
 
 
@@ -475,4 +487,4 @@ _lib.impl("attention", _attention_op, "CompositeExplicitAutograd")
 
 @torch.library.register_fake("spmd_engine::attention")
 def _attention_fake(q, k, v, k_cache, v_cache, scale, window=0):
-    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+    return q.new_empty(q.shape[0], q.shape[1] * v.shape[2])

@@ -73,10 +73,12 @@ class LlamaAttention(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block; the residual stream travels beside the hidden state."""
 
+    attention = LlamaAttention  # a family's own: models/deepseek.py's latent attention
+
     def __init__(self, spec: ModelSpec, tp_group, dtype: torch.dtype, layer: int = 0, moe: dict | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype)
-        self.self_attn = LlamaAttention(spec, tp_group, dtype, spec.window(layer))
+        self.self_attn = self.attention(spec, tp_group, dtype, spec.window(layer))
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype)
         if spec.is_moe_layer(layer):
             self.mlp = SparseMoeBlock(spec, tp_group, dtype=dtype, **(moe or {"moe_group": tp_group,
