@@ -31,6 +31,8 @@ _LLAMA = "spmd_engine.model.models.llama:CausalLM"
 BUILTIN_MODELS = {arch: _LLAMA for arch in (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
     "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")}
+BUILTIN_MODELS.update({"Phi3ForCausalLM": "spmd_engine.model.models.phi3:Phi3ForCausalLM",
+                       "Olmo2ForCausalLM": "spmd_engine.model.models.olmo2:Olmo2ForCausalLM"})
 DEFAULT_CONFIG_ARCHITECTURE = "LlamaForCausalLM"
 
 # What the worker, model runner and loader call on a model (besides nn.Module's own, and the

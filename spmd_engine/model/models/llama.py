@@ -24,9 +24,10 @@ from spmd_engine.config import ConfigError
 from spmd_engine.model.layers.attention import Attention, AttentionMetadata
 from spmd_engine.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from spmd_engine.model.layers.linear import QKVParallelLinear, RowParallelLinear
+from spmd_engine.model.layers.longrope import LongRopeEmbedding
 from spmd_engine.model.layers.mlp import SwiGLUMLP
 from spmd_engine.model.layers.norm import RMSNorm
-from spmd_engine.model.layers.rotary import RotaryEmbedding, apply_rotary
+from spmd_engine.model.layers.rotary import RotaryEmbedding, apply_rotary, rope_type_of
 from spmd_engine.model.models.moe_block import SparseMoeBlock
 from spmd_engine.model.partition import check_model_parallel, pp_layer_range
 from spmd_engine.model.spec import ModelSpec
@@ -53,25 +54,35 @@ class LlamaAttention(nn.Module):
         lead = hidden.shape[:-1]
         qkv = self.qkv_proj(hidden)
         q_and_k = self.qkv_proj.q_size + self.qkv_proj.kv_size
-        # q and k sit side by side in the fused output: rotate them in one pass.
+        # q and k sit side by side in the fused output: rotate them in one pass (cast back: a
+        # family may rotate in float32).
         heads = [self.qkv_proj.num_heads_per_rank, self.qkv_proj.num_kv_heads_per_rank]
-        qk = qkv[..., :q_and_k].view(*lead, -1, self.head_dim)
-        if self.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k before RoPE
-            q, k = qk.split(heads, dim=-2)
-            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=-2)
-        q, k = apply_rotary(qk, *rope).split(heads, dim=-2)
+        qk = self.norm_qk(qkv[..., :q_and_k]).view(*lead, -1, self.head_dim)
+        q, k = apply_rotary(qk, *rope).to(qkv.dtype).split(heads, dim=-2)
         v = qkv[..., q_and_k:].view(*lead, -1, self.head_dim)
         return self.o_proj(self.attn(q, k, v, attn))
+
+    def norm_qk(self, qk: torch.Tensor) -> torch.Tensor:
+        """q and k side by side [..., q_size + kv_size], normed before RoPE where the family
+        norms them (Qwen3: each head alone)."""
+        if self.q_norm is None:
+            return qk
+        q, k = qk.unflatten(-1, (-1, self.head_dim)).split(
+            [self.qkv_proj.num_heads_per_rank, self.qkv_proj.num_kv_heads_per_rank], dim=-2)
+        return torch.cat([self.q_norm(q), self.k_norm(k)], dim=-2).flatten(-2)
 
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block; the residual stream travels beside the hidden state."""
 
+    attention_class = LlamaAttention  # a family's subclass may swap these (models/olmo2.py)
+    norm_class = RMSNorm
+
     def __init__(self, spec: ModelSpec, tp_group, dtype: torch.dtype, layer: int = 0, moe: dict | None = None):
         super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype)
-        self.self_attn = LlamaAttention(spec, tp_group, dtype)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype)
+        self.input_layernorm = self.norm_class(spec.hidden_size, spec.rms_norm_eps, dtype=dtype)
+        self.self_attn = self.attention_class(spec, tp_group, dtype)
+        self.post_attention_layernorm = self.norm_class(spec.hidden_size, spec.rms_norm_eps, dtype=dtype)
         if spec.is_moe_layer(layer):
             self.mlp = SparseMoeBlock(spec, tp_group, dtype=dtype, **(moe or {"moe_group": tp_group,
                                                                               "expert_parallel": False}))
@@ -97,16 +108,18 @@ class LlamaModel(nn.Module):
     """
 
     def __init__(self, spec: ModelSpec, tp_group, layer_range: tuple[int, int], first: bool, last: bool,
-                 dtype: torch.dtype, moe: dict | None = None):
+                 dtype: torch.dtype, moe: dict | None = None, layer_cls: type = LlamaDecoderLayer,
+                 norm_cls: type = RMSNorm):
         super().__init__()
         self.embed_tokens = (VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp_group, dtype=dtype)
                              if first else None)
         # Keyed by the global layer index so parameter names match the checkpoint.
         self.layers = nn.ModuleDict(
-            {str(i): LlamaDecoderLayer(spec, tp_group, dtype, i, moe) for i in range(*layer_range)}
+            {str(i): layer_cls(spec, tp_group, dtype, i, moe) for i in range(*layer_range)}
         )
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype) if last else None
-        self.rotary_emb = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling)
+        self.norm = norm_cls(spec.hidden_size, spec.rms_norm_eps, dtype=dtype) if last else None
+        rotary = LongRopeEmbedding if rope_type_of(spec.rope_scaling) == "longrope" else RotaryEmbedding
+        self.rotary_emb = rotary(spec.head_dim, spec.rope_theta, spec.rope_scaling, spec.rotary_dim)
 
 
 class CausalLM(CausalLMWeights, nn.Module):
@@ -132,6 +145,9 @@ class CausalLM(CausalLMWeights, nn.Module):
     # A subclass registered (model/registry.py) under an architecture name of its own: the
     # built-in architecture whose config.json reading it follows (None: LlamaForCausalLM's).
     hf_config_architecture: str | None = None
+    # What a family changes (model/models/<family>.py): its decoder layer and its final RMSNorm.
+    decoder_layer: type = LlamaDecoderLayer
+    norm_class: type = RMSNorm
 
     def __init__(self, hf_config: Mapping[str, Any], tp_group, pp_group, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", pp_partition: str | None = None, moe_group=None,
@@ -150,7 +166,8 @@ class CausalLM(CausalLMWeights, nn.Module):
         with torch.device(device):
             moe = dict(moe_group=moe_group, expert_parallel=expert_parallel, dispatch_group=dispatch_group)
             self.model = LlamaModel(spec, tp_group, (self.start_layer, self.end_layer),
-                                    self.is_first_stage, self.is_last_stage, dtype, moe)
+                                    self.is_first_stage, self.is_last_stage, dtype, moe, self.decoder_layer,
+                                    self.norm_class)
             self.lm_head = (ParallelLMHead(spec.vocab_size, spec.hidden_size, tp_group, dtype=dtype)
                             if self.is_last_stage else None)
         self.tie_weights()
@@ -220,7 +237,7 @@ class CausalLM(CausalLMWeights, nn.Module):
             if intermediate is None:
                 raise ValueError("a later pipeline stage needs `intermediate` from the previous stage")
             hidden, residual = intermediate["hidden_states"], intermediate["residual"]
-        rope = self.model.rotary_emb.cos_sin(positions, hidden.dtype)
+        rope = self.model.rotary_emb.cos_sin(positions, hidden.dtype, attn)
         compiled, normed = self.compiled_layers, None
         # A compiled model built without its LoRA layers cannot serve a step with adapters.
         lora_on = self.lora_state is not None and self.lora_state.mapping is not None and not compiled.lora \
