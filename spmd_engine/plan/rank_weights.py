@@ -71,13 +71,16 @@ class RankModels:
         return out
 
     def _build(self, tp: int, tp_rank: int, pp: int, pp_rank: int, partition, moe) -> RankModel:
-        from spmd_engine.model.models.llama import CausalLM
+        from spmd_engine.model.registry import ModelRegistry
+        from spmd_engine.model.spec import architecture_of
+        # The class the ranks build (a family's own layers: OLMo 2's norms, say).
+        model_cls, _ = ModelRegistry.resolve_model_cls(architecture_of(self.hf_config, "config.json"))
         tp_group = ShapeGroup(tp, tp_rank)
         moe_args = {}
         if moe is not None:
             size, index, expert_parallel = moe
             moe_args = {"moe_group": ShapeGroup(size, index), "expert_parallel": expert_parallel}
-        model = CausalLM(self.hf_config, tp_group, ShapeGroup(pp, pp_rank), dtype=self.dtype, device="meta",
+        model = model_cls(self.hf_config, tp_group, ShapeGroup(pp, pp_rank), dtype=self.dtype, device="meta",
                          pp_partition=partition, **moe_args)
         tensors = [*model.parameters(), *model.buffers()]
         weight_bytes = sum(_nbytes(t) for t in tensors)

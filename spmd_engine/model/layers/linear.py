@@ -24,7 +24,6 @@ from spmd_engine.model.shard import (
     read_range,
 )
 
-
 # The shard_id of a checkpoint tensor holding all of a fused layer's parts at once.
 FUSED = "fused"
 

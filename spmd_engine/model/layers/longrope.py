@@ -11,12 +11,13 @@ with the long set exactly when max(p + 1, L) > original: the same for a whole pr
 chunks, or its recompute after preemption. The runner puts each request's prompt length in
 the step's metadata (`AttentionMetadata.prompt_lens`); without it (a hand-built step, a
 trainer's forward) a row counts as a whole sequence, as transformers does. A prompt's keys
-therefore depend on whether L > original: `prefix_cache_key` gives such prompts a prefix
+therefore depend on whether L > original: `prefix_cache_root` gives such prompts a prefix
 cache of their own.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Any, Mapping
 
@@ -45,13 +46,14 @@ def longrope_scaling(scaling: Mapping[str, Any], rotary_dim: int, max_position_e
             "attention_factor": float(attention)}
 
 
-def prefix_cache_key(scaling: Mapping[str, Any] | None, num_prompt_tokens: int) -> bytes | None:
-    """What a request's prefix-cache hashes must also chain from: its prompt's longrope set.
-    None for the short set (every position then turns as any other request's) and for models
-    without longrope."""
-    if not scaling or scaling.get("rope_type") != "longrope":
-        return None
-    return b"longrope:long" if num_prompt_tokens > scaling["original_max_position_embeddings"] else None
+def prefix_cache_root(root: bytes | None, scaling: Mapping[str, Any] | None, num_prompt_tokens: int) -> bytes | None:
+    """What a request's prefix-cache hashes chain from: `root` (its adapter's, None for the base
+    model), moved aside for a prompt longer than the original context, whose keys turn with the
+    long factors and so must never meet a short prompt's blocks of the same tokens."""
+    if not scaling or scaling.get("rope_type") != "longrope" \
+            or num_prompt_tokens <= scaling["original_max_position_embeddings"]:
+        return root
+    return hashlib.sha256((root or b"") + b"longrope:long").digest()
 
 
 class LongRopeEmbedding(RotaryEmbedding):

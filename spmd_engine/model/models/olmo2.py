@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import torch
-from torch import nn
 
 from spmd_engine.model.layers import batch_invariant as bi
 from spmd_engine.model.layers.norm import RMSNorm
