@@ -44,6 +44,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler_config, kv, eos_token_id, max_loras=lora.max_loras if lora else 0)
         from spmd_engine.engine.lora_adapters import LoRAAdapters
         self.loras = LoRAAdapters(lora, _lora_spec(config) if lora else None, self.executor)
+        self._rope_scaling = _rope_scaling(config)  # longrope's prompts past the original context cache apart
         self.stop_strings = StopStringWatcher(config.model_config.model_dir)
         self.structured = StructuredOutputManager(config.model_config.model_dir, sorted(self.scheduler.eos_token_ids))
         self.dp_waves = config.dp_waves and config.parallel_config.data_parallel_size > 1
@@ -72,7 +73,9 @@ class EngineCore:
         return self.executor
 
     def add_request(self, request: Request) -> None:
-        request.cache_root = self.loras.cache_root(request.lora_int_id)
+        from spmd_engine.model.layers.longrope import prefix_cache_root
+        request.cache_root = prefix_cache_root(self.loras.cache_root(request.lora_int_id), self._rope_scaling,
+                                               request.num_prompt_tokens)
         self.structured.add(request)  # a constraint the backend refuses raises before it is queued
         self.scheduler.add_request(request)
 
@@ -343,6 +346,15 @@ def _step_digest(scheduler_output, model_output) -> str:
     if grammar is not None:  # structured outputs: every rank must mask alike
         summary += (grammar.request_ids, hashlib.sha256(grammar.bitmask.tobytes()).hexdigest())
     return hashlib.sha256(repr(summary).encode()).hexdigest()[:16]
+
+
+def _rope_scaling(config: EngineConfig):
+    """The model's rope_scaling as ModelSpec reads it (None without a config.json: the bundled model)."""
+    import os
+    model_dir = config.model_config.model_dir
+    if not model_dir or not os.path.exists(os.path.join(model_dir, "config.json")):
+        return None
+    return _lora_spec(config).rope_scaling
 
 
 def _lora_spec(config: EngineConfig):

@@ -35,6 +35,8 @@ BUILTIN_MODELS["Gemma3ForCausalLM"] = "spmd_engine.model.models.gemma3:Gemma3For
 BUILTIN_MODELS["GptOssForCausalLM"] = _LLAMA  # its options and names: model/models/gpt_oss.py
 BUILTIN_MODELS.update({arch: "spmd_engine.model.models.deepseek:DeepseekForCausalLM"
                        for arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")})
+BUILTIN_MODELS.update({"Phi3ForCausalLM": "spmd_engine.model.models.phi3:Phi3ForCausalLM",
+                       "Olmo2ForCausalLM": "spmd_engine.model.models.olmo2:Olmo2ForCausalLM"})
 DEFAULT_CONFIG_ARCHITECTURE = "LlamaForCausalLM"
 
 # What the worker, model runner and loader call on a model (besides nn.Module's own, and the

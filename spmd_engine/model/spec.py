@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 from spmd_engine.config import ConfigError
 from spmd_engine.model.layers.grouped_routing import GroupedTopK
+from spmd_engine.model.layers.longrope import longrope_scaling
 from spmd_engine.model.layers.rotary import SUPPORTED_ROPE_TYPES, rope_type_of
 from spmd_engine.model.mla_spec import MLA_ARCHITECTURES, MlaSpec, deepseek_moe_fields
 from spmd_engine.model.registry import BUILTIN_MODELS, ModelRegistry
@@ -24,6 +25,11 @@ SUPPORTED_ARCHITECTURES = tuple(BUILTIN_MODELS)
 # Architectures whose attention RMS-normalises q and k per head before RoPE.
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 GPT_OSS = "GptOssForCausalLM"
+# Families whose config.json says more than the Llama family's keys: their family file reads it
+# ("module:function" taking (config dict, source), returning the config to read on and the
+# ModelSpec fields it decides).
+FAMILY_READERS = {"Phi3ForCausalLM": "spmd_engine.model.models.phi3:read_config",
+                  "Olmo2ForCausalLM": "spmd_engine.model.models.olmo2:read_config"}
 # Widths past this are a typo, not a model (the largest released are near 2**14 hidden and
 # 2**16 intermediate): refused here, naming the field, instead of failing later as a KV budget
 # or an allocation nobody can read back to config.json.
@@ -63,16 +69,26 @@ class ModelSpec:
     layer_windows: tuple[int | None, ...] = ()
     attention_sinks: bool = False  # gpt-oss: a learned logit per head in every softmax (sink_attention.py)
     mla: MlaSpec | None = None  # DeepSeek's latent attention (then num_kv_heads 1, head_dim the rotary width)
+    qk_norm_over: str = "head"  # "head" (Qwen3) or "projection": all heads of q / k at once (OLMo 2)
+    post_norm: bool = False  # OLMo 2: sublayer outputs normed before the residual add, no input norm
+    fused_checkpoint: bool = False  # Phi-3: the checkpoint holds qkv_proj and gate_up_proj whole
+    partial_rotary_factor: float = 1.0  # the share of each head's features RoPE turns (Phi-3)
 
     def window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window (None: it attends to every earlier token)."""
         return self.layer_windows[layer] if self.layer_windows else None
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and self.moe.is_sparse(layer)
 
     def layer_norm_names(self) -> tuple[str, ...]:
         """The RMSNorms of every decoder layer, by their checkpoint names."""
+        if self.post_norm:  # OLMo 2: no input norm
+            return ("post_attention_layernorm", "post_feedforward_layernorm")
         return ("input_layernorm", "post_attention_layernorm")
 
     @classmethod
@@ -83,6 +99,7 @@ class ModelSpec:
         if family in FAMILY_SPECS:
             module, _, reader = FAMILY_SPECS[family].partition(":")
             return getattr(importlib.import_module(module), reader)(cfg, source, arch)
+        cfg, family_fields = _family_reading(family, cfg, source)
 
         def need(key: str, most: int | None = None) -> int:
             value = cfg.get(key)
@@ -128,7 +145,19 @@ class ModelSpec:
         window = cfg.get("sliding_window")
         if qwen and not cfg.get("use_sliding_window", False):
             window = None
-        return cls(
+        max_positions = int(positive("max_position_embeddings", 2048))
+        rotary = _rotary_factor(cfg, source, arch, family_fields)
+        rotary_dim = int(int(head_dim) * rotary)
+        if rotary_dim % 2 or rotary_dim < 2:
+            raise ConfigError(f"{source}: partial_rotary_factor {rotary} turns {rotary_dim} of head_dim "
+                              f"{head_dim} features: RoPE needs an even number of them")
+        if rope_type_of(scaling) == "longrope":
+            try:
+                scaling = longrope_scaling(scaling, rotary_dim, max_positions,
+                                           cfg.get("original_max_position_embeddings"))
+            except ValueError as exc:
+                raise ConfigError(f"{source}: {exc}") from None
+        fields = dict(
             architecture=arch,
             vocab_size=need("vocab_size", MAX_VOCAB),
             hidden_size=hidden,
@@ -140,7 +169,7 @@ class ModelSpec:
             rms_norm_eps=float(positive("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=int(positive("max_position_embeddings", 2048)),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             o_bias=all_bias,
@@ -152,6 +181,7 @@ class ModelSpec:
             attention_sinks=family == GPT_OSS,
             mla=mla,
         )
+        return cls(**{**fields, **family_fields})
 
 
 @dataclass(frozen=True)
@@ -257,11 +287,41 @@ def _rope(cfg: Mapping[str, Any], source: str) -> tuple[float, Mapping[str, Any]
         scaling = {**scaling, "original_max_position_embeddings": original}
     required = {"linear": ("factor",),
                 "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-                "yarn": ("factor",)}
+                "yarn": ("factor",),
+                "longrope": ("short_factor", "long_factor")}
     for key in required.get(kind, ()):
         if key not in scaling:
             raise ConfigError(f"{source}: rope_scaling of type {kind!r} needs '{key}'")
     return float(theta), scaling
+
+
+def _family_reading(family: str, cfg: Mapping[str, Any], source: str) -> tuple[Mapping[str, Any], dict]:
+    """(config to read on, ModelSpec fields) from the family's own reader, if it has one."""
+    reader = FAMILY_READERS.get(family)
+    if reader is None:
+        return cfg, {}
+    module, _, name = reader.partition(":")
+    return getattr(importlib.import_module(module), name)(cfg, source)
+
+
+def _rotary_factor(cfg: Mapping[str, Any], source: str, arch: str, family_fields: Mapping[str, Any]) -> float:
+    """The family's partial_rotary_factor; elsewhere transformers turns every feature, so a
+    config asking for less is refused rather than read two ways."""
+    if "partial_rotary_factor" in family_fields:
+        return family_fields["partial_rotary_factor"]
+    asked = partial_rotary_factor(cfg, source)
+    if asked != 1.0:
+        raise ConfigError(f"{source}: partial_rotary_factor {asked} is not supported for {arch}")
+    return 1.0
+
+
+def partial_rotary_factor(cfg: Mapping[str, Any], source: str) -> float:
+    """From `rope_parameters` (transformers 5) or the top level (older configs); 1.0 if neither."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    value = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ConfigError(f"{source}: partial_rotary_factor must be a number in (0, 1], got {value!r}")
+    return float(value)
 
 
 def _check_dtype(cfg: Mapping[str, Any], source: str) -> None:

@@ -17,11 +17,13 @@ import torch
 from torch import nn
 
 from spmd_engine.kernels.packed_weights import dense_shape, is_packed
+from spmd_engine.model.layers.linear import FUSED
 from spmd_engine.model.models.moe_block import hf_names, moe_tensor_shapes
 from spmd_engine.model.shard import Loaded
 from spmd_engine.model.spec import ModelSpec
 
-# Our fused parameter -> the HF tensors it is made of, with each one's shard_id.
+# Our fused parameter -> the HF tensors it is made of, with each one's shard_id (a checkpoint
+# with `fused_checkpoint`, Phi-3's, holds the fused tensor itself: shard_id FUSED).
 FUSED_PARAMETERS = {
     "qkv_proj": (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")),
     "gate_up_proj": (("gate_proj", 0), ("up_proj", 1)),
@@ -46,6 +48,9 @@ class CausalLMWeights:
                 yield "model.embed_tokens.weight", name, None
                 continue
             fused = next((f for f in FUSED_PARAMETERS if f".{f}." in name), None)
+            if fused is not None and self.spec.fused_checkpoint:
+                yield name, name, FUSED
+                continue
             if fused is None:
                 module = self.get_submodule(name.rpartition(".")[0])
                 for hf_name, shard_id in (hf_names(self.spec, name, module) if self.spec.moe else [(name, None)]):
@@ -239,7 +244,9 @@ def hf_tensor_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             shapes.update({p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
                            p + "mlp.down_proj.weight": (h, inter)})
         if spec.qk_norm:
-            shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
+            whole = spec.qk_norm_over == "projection"
+            shapes.update({p + "self_attn.q_norm.weight": (q if whole else d,),
+                           p + "self_attn.k_norm.weight": (kv if whole else d,)})
         if spec.qkv_bias:
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)})
@@ -248,4 +255,19 @@ def hf_tensor_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         if spec.mlp_bias:
             shapes.update({p + "mlp.gate_proj.bias": (inter,), p + "mlp.up_proj.bias": (inter,),
                            p + "mlp.down_proj.bias": (h,)})
+        if spec.fused_checkpoint:
+            _fuse_shapes(shapes, p)
     return shapes
+
+
+def _fuse_shapes(shapes: dict[str, tuple[int, ...]], layer_prefix: str) -> None:
+    """A fused checkpoint's names in place of the separate ones: each fused tensor its parts
+    stacked along the rows."""
+    for fused, parts in FUSED_PARAMETERS.items():
+        module = "self_attn." if fused == "qkv_proj" else "mlp."
+        for kind in ("weight", "bias"):
+            names = [f"{layer_prefix}{module}{part}.{kind}" for part, _ in parts]
+            if all(n in shapes for n in names):
+                part_shapes = [shapes.pop(n) for n in names]
+                shapes[f"{layer_prefix}{module}{fused}.{kind}"] = (sum(ps[0] for ps in part_shapes),
+                                                                   *part_shapes[0][1:])

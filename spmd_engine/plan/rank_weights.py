@@ -74,7 +74,8 @@ class RankModels:
     def _build(self, tp: int, tp_rank: int, pp: int, pp_rank: int, partition, moe) -> RankModel:
         from spmd_engine.model.registry import ModelRegistry
         from spmd_engine.model.spec import architecture_of
-        model_cls, _ = ModelRegistry.resolve_model_cls(architecture_of(self.hf_config))  # the loader's class
+        # The class the ranks build (a family's own layers: OLMo 2's norms, say).
+        model_cls, _ = ModelRegistry.resolve_model_cls(architecture_of(self.hf_config, "config.json"))
         tp_group = ShapeGroup(tp, tp_rank)
         moe_args = {}
         if moe is not None:

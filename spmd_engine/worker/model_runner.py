@@ -423,6 +423,7 @@ class ModelRunner:
             prefill += max(0, min(s.context_len + n, self.prompt_lens.get(s.request_id, 0)) - s.context_len)
         attn = AttentionMetadata.build(context, lens, tables, self.block_size, self.device,
                                        invariant=self.batch_invariant)
+        attn.prompt_lens = [self.prompt_lens.get(s.request_id, 0) for s in out.seqs]
         ids = attn.pack([s.token_ids for s in out.seqs])
         # The last token of each sampling request, in schedule order, wherever packing put it;
         # None when that is every row in order (a decode step): no gather.

@@ -24,6 +24,9 @@ from spmd_engine.model.shard import (
     read_range,
 )
 
+# The shard_id of a checkpoint tensor holding all of a fused layer's parts at once.
+FUSED = "fused"
+
 
 def _param(*shape: int, dtype: torch.dtype | None) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
@@ -102,14 +105,25 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(self.output_sizes), group, bias=bias, dtype=dtype)
         self.local_sizes = [divide(s, self.tp_size, "merged output size") for s in self.output_sizes]
 
-    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: int = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: int | str = None) -> None:
+        """`shard_id` i: the checkpoint's matrix i alone; FUSED: all of them stacked in one
+        checkpoint tensor (Phi-3's gate_up_proj), each cut as if it came alone."""
+        if shard_id == FUSED:
+            check_shape(loaded, (self.output_size,) + tuple(param.shape[1:]), "fused merged parts")
+            for part in range(len(self.output_sizes)):
+                self._load_part(param, loaded, part, sum(self.output_sizes[:part]))
+            return
         if shard_id is None or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"MergedColumnParallelLinear needs shard_id in 0..{len(self.output_sizes) - 1}")
         check_shape(loaded, (self.output_sizes[shard_id],) + tuple(param.shape[1:]), f"merged part {shard_id}")
-        n = self.local_sizes[shard_id]
-        offset = sum(self.local_sizes[:shard_id])
-        shard = read_range(loaded, 0, self.tp_rank * n, (self.tp_rank + 1) * n)
-        copy_into(param.data[offset : offset + n], shard)
+        self._load_part(param, loaded, shard_id, 0)
+
+    def _load_part(self, param: nn.Parameter, loaded: Loaded, part: int, base: int) -> None:
+        """Part `part`'s rows of this rank, read from `loaded` where that part starts at row `base`."""
+        n = self.local_sizes[part]
+        offset = sum(self.local_sizes[:part])
+        start = base + self.tp_rank * n
+        copy_into(param.data[offset : offset + n], read_range(loaded, 0, start, start + n))
 
     def lora_part_sizes(self) -> list[int]:
         return list(self.local_sizes)
@@ -152,19 +166,29 @@ class QKVParallelLinear(ColumnParallelLinear):
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: str = None) -> None:
+        """`shard_id` 'q', 'k' or 'v': that checkpoint tensor alone; FUSED: one checkpoint tensor
+        of q's rows, then k's, then v's (Phi-3's qkv_proj), each cut as if it came alone."""
         rest = tuple(param.shape[1:])
-        d = self.head_dim
-        if shard_id == "q":
-            check_shape(loaded, (self.num_heads * d,) + rest, "q_proj")
-            start, offset, size = self.tp_rank * self.q_size, 0, self.q_size
-        elif shard_id in ("k", "v"):
-            check_shape(loaded, (self.num_kv_heads * d,) + rest, f"{shard_id}_proj")
-            start = self.kv_head_start * d
-            offset = self.q_size + (0 if shard_id == "k" else self.kv_size)
-            size = self.kv_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if shard_id == FUSED:
+            check_shape(loaded, (q + 2 * kv,) + rest, "qkv_proj")
+            for part, base in (("q", 0), ("k", q), ("v", q + kv)):
+                self._load_part(param, loaded, part, base)
+        elif shard_id in ("q", "k", "v"):
+            check_shape(loaded, (q if shard_id == "q" else kv,) + rest, f"{shard_id}_proj")
+            self._load_part(param, loaded, shard_id, 0)
         else:
-            raise ValueError(f"QKVParallelLinear needs shard_id 'q', 'k' or 'v', got {shard_id!r}")
-        copy_into(param.data[offset : offset + size], read_range(loaded, 0, start, start + size))
+            raise ValueError(f"QKVParallelLinear needs shard_id 'q', 'k', 'v' or {FUSED!r}, got {shard_id!r}")
+
+    def _load_part(self, param: nn.Parameter, loaded: Loaded, part: str, base: int) -> None:
+        """This rank's heads of `part`, read from `loaded` where that part starts at row `base`."""
+        if part == "q":
+            start, offset, size = self.tp_rank * self.q_size, 0, self.q_size
+        else:
+            start = self.kv_head_start * self.head_dim
+            offset = self.q_size + (0 if part == "k" else self.kv_size)
+            size = self.kv_size
+        copy_into(param.data[offset : offset + size], read_range(loaded, 0, base + start, base + start + size))
 
     def lora_part_sizes(self) -> list[int]:
         return [self.q_size, self.kv_size, self.kv_size]

@@ -4,11 +4,13 @@ Rotates the two halves of each head (the "rotate_half" layout HF checkpoints
 are trained with). Frequencies come from `rope_theta`; `rope_scaling` may
 stretch them, with type `linear` (every frequency / factor), `llama3`
 (Llama 3.1's band-wise rescaling: low frequencies / factor, high ones kept,
-a smooth blend between) or `yarn` (the same idea with the bands counted in
+a smooth blend between), `yarn` (the same idea with the bands counted in
 rotations over the original context, plus a factor on cos/sin that keeps the
-attention logits' size: gpt-oss, DeepSeek-V2/V3). cos/sin are computed from the
-positions of each step, so there is no table to size, to place on a device, or
-to outgrow.
+attention logits' size: gpt-oss, DeepSeek-V2/V3); `longrope` (Phi-3) is
+longrope.py's subclass. With a `rotary_dim` below the head size only a head's
+first `rotary_dim` features turn (Phi-3's partial_rotary_factor). cos/sin are
+computed from the positions of each step, so there is no table to size, to
+place on a device, or to outgrow.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 def default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
@@ -112,7 +114,7 @@ def inv_frequencies(head_dim: int, theta: float, scaling: Mapping[str, Any] | No
         return inv_freq / float(scaling["factor"])
     if kind == "llama3":
         return llama3_inv_freq(inv_freq, scaling)
-    if kind != "default":
+    if kind not in ("default", "longrope"):  # longrope scales these in LongRopeEmbedding
         raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
     return inv_freq
 
@@ -123,7 +125,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [..., T, heads, head_dim] by cos/sin [..., T, 1, head_dim]."""
+    """Rotate x [..., T, heads, head_dim] by cos/sin [..., T, 1, rotary_dim]: the first
+    rotary_dim features of each head (all of them unless the rotary is partial)."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        turned, kept = x.split([rotary_dim, x.shape[-1] - rotary_dim], dim=-1)
+        return torch.cat([turned * cos + rotate_half(turned) * sin, kept], dim=-1)
     return x * cos + rotate_half(x) * sin
 
 
@@ -138,31 +145,42 @@ class RotaryEmbedding(nn.Module):
     """
 
     def __init__(self, head_dim: int, theta: float = 10000.0, scaling: Mapping[str, Any] | None = None,
-                 max_position_embeddings: int | None = None):
+                 max_position_embeddings: int | None = None, rotary_dim: int | None = None):
         super().__init__()
         self.head_dim = head_dim
+        self.rotary_dim = rotary_dim or head_dim
         # float32, CPU, not a parameter
-        self._inv_freq = inv_frequencies(head_dim, theta, scaling, max_position_embeddings)
+        self._inv_freq = inv_frequencies(self.rotary_dim, theta, scaling, max_position_embeddings)
         # YaRN's factor on cos/sin (1.0, and no multiply, for every other type)
         self.attention_scaling = (yarn_attention_factor(scaling, max_position_embeddings)
                                   if rope_type_of(scaling) == "yarn" else 1.0)
         self._on_device: dict[torch.device, torch.Tensor] = {}
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # The frequencies twice over ([head_dim]), kept per device: each angle is the same
+    def _frequencies(self, inv_freq: torch.Tensor, device: torch.device) -> torch.Tensor:
+        # The frequencies twice over ([rotary_dim]), kept per device: each angle is the same
         # product as of the half-width angles concatenated, one op a step fewer.
-        inv_freq = self._on_device.get(positions.device)
-        if inv_freq is None:
-            inv_freq = self._on_device.setdefault(positions.device,
-                                                  self._inv_freq.repeat(2).to(positions.device))
-        angles = (positions.float().unsqueeze(-1) * inv_freq).unsqueeze(-2)  # [..., T, 1, head_dim]
+        key = (id(inv_freq), device)
+        if key not in self._on_device:
+            self._on_device[key] = inv_freq.repeat(2).to(device)
+        return self._on_device[key]
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, attn=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [..., T, 1, rotary_dim] for `positions`; `attn` (the step's metadata) is read
+        by rotaries whose frequencies depend on the sequence (LongRopeEmbedding)."""
+        inv_freq = self._frequencies(self._inv_freq, positions.device)
+        return self._cos_sin(positions.float().unsqueeze(-1) * inv_freq, dtype, self.attention_scaling)
+
+    def _cos_sin(self, angles: torch.Tensor, dtype: torch.dtype, scale: float = 1.0):
+        """cos and sin of `angles` [..., T, rotary_dim], times `scale` in float32 (yarn's or
+        longrope's attention factor), then cast."""
+        angles = angles.unsqueeze(-2)  # [..., T, 1, rotary_dim]
         if self.batch_invariant:
             from spmd_engine.model.layers.batch_invariant import pointwise
             cos, sin = pointwise(torch.cos, angles), pointwise(torch.sin, angles)
         else:
             cos, sin = angles.cos(), angles.sin()
-        if self.attention_scaling != 1.0:
-            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+        if scale != 1.0:
+            cos, sin = cos * scale, sin * scale
         return cos.to(dtype), sin.to(dtype)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):

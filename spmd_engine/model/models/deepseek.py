@@ -109,7 +109,7 @@ class MLAttention(nn.Module):
 
 
 class DeepseekDecoderLayer(LlamaDecoderLayer):
-    attention = MLAttention
+    attention_class = MLAttention
 
 
 class DeepseekModel(LlamaModel):

@@ -23,9 +23,10 @@ from spmd_engine.compilation.compiled_layers import CompiledLayers
 from spmd_engine.model.layers.attention import Attention, AttentionMetadata
 from spmd_engine.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from spmd_engine.model.layers.linear import QKVParallelLinear, RowParallelLinear
+from spmd_engine.model.layers.longrope import LongRopeEmbedding
 from spmd_engine.model.layers.mlp import SwiGLUMLP
 from spmd_engine.model.layers.norm import RMSNorm
-from spmd_engine.model.layers.rotary import RotaryEmbedding, apply_rotary
+from spmd_engine.model.layers.rotary import RotaryEmbedding, apply_rotary, rope_type_of
 from spmd_engine.model.layers.sink_attention import AttentionSinks
 from spmd_engine.model.models.moe_block import SparseMoeBlock
 from spmd_engine.model.partition import check_model_parallel, pp_layer_range
@@ -59,27 +60,35 @@ class LlamaAttention(nn.Module):
         lead = hidden.shape[:-1]
         qkv = self.qkv_proj(hidden)
         q_and_k = self.qkv_proj.q_size + self.qkv_proj.kv_size
-        # q and k sit side by side in the fused output: rotate them in one pass.
+        # q and k sit side by side in the fused output: rotate them in one pass (cast back: a
+        # family may rotate in float32).
         heads = [self.qkv_proj.num_heads_per_rank, self.qkv_proj.num_kv_heads_per_rank]
-        qk = qkv[..., :q_and_k].view(*lead, -1, self.head_dim)
-        if self.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k before RoPE
-            q, k = qk.split(heads, dim=-2)
-            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=-2)
-        q, k = apply_rotary(qk, *rope).split(heads, dim=-2)
+        qk = self.norm_qk(qkv[..., :q_and_k]).view(*lead, -1, self.head_dim)
+        q, k = apply_rotary(qk, *rope).to(qkv.dtype).split(heads, dim=-2)
         v = qkv[..., q_and_k:].view(*lead, -1, self.head_dim)
         return self.o_proj(self.attn(q, k, v, attn))
+
+    def norm_qk(self, qk: torch.Tensor) -> torch.Tensor:
+        """q and k side by side [..., q_size + kv_size], normed before RoPE where the family
+        norms them (Qwen3: each head alone)."""
+        if self.q_norm is None:
+            return qk
+        q, k = qk.unflatten(-1, (-1, self.head_dim)).split(
+            [self.qkv_proj.num_heads_per_rank, self.qkv_proj.num_kv_heads_per_rank], dim=-2)
+        return torch.cat([self.q_norm(q), self.k_norm(k)], dim=-2).flatten(-2)
 
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block; the residual stream travels beside the hidden state."""
 
-    attention = LlamaAttention  # a family's own: models/deepseek.py's latent attention
+    attention_class = LlamaAttention  # a family's subclass may swap these (models/olmo2.py, deepseek.py)
+    norm_class = RMSNorm
 
     def __init__(self, spec: ModelSpec, tp_group, dtype: torch.dtype, layer: int = 0, moe: dict | None = None):
         super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype)
-        self.self_attn = self.attention(spec, tp_group, dtype, spec.window(layer))
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype)
+        self.input_layernorm = self.norm_class(spec.hidden_size, spec.rms_norm_eps, dtype=dtype)
+        self.self_attn = self.attention_class(spec, tp_group, dtype, spec.window(layer))
+        self.post_attention_layernorm = self.norm_class(spec.hidden_size, spec.rms_norm_eps, dtype=dtype)
         if spec.is_moe_layer(layer):
             self.mlp = SparseMoeBlock(spec, tp_group, dtype=dtype, **(moe or {"moe_group": tp_group,
                                                                               "expert_parallel": False}))
@@ -110,7 +119,8 @@ class LlamaModel(nn.Module):
     norm_class = RMSNorm
 
     def __init__(self, spec: ModelSpec, tp_group, layer_range: tuple[int, int], first: bool, last: bool,
-                 dtype: torch.dtype, moe: dict | None = None):
+                 dtype: torch.dtype, moe: dict | None = None, layer_cls: type = LlamaDecoderLayer,
+                 norm_cls: type = RMSNorm):
         super().__init__()
         self.embed_tokens = (self.embedding(spec.vocab_size, spec.hidden_size, tp_group, dtype=dtype)
                              if first else None)
@@ -124,8 +134,10 @@ class LlamaModel(nn.Module):
     @staticmethod
     def rotary(spec: ModelSpec) -> nn.Module:
         """What computes each step's rope tables (`cos_sin`), handed to every layer."""
+        if rope_type_of(spec.rope_scaling) == "longrope":
+            return LongRopeEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling, spec.rotary_dim)
         return RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling,
-                               spec.max_position_embeddings)
+                               spec.max_position_embeddings, rotary_dim=spec.rotary_dim)
 
 
 class CausalLM(CausalLMWeights, nn.Module):
@@ -237,7 +249,7 @@ class CausalLM(CausalLMWeights, nn.Module):
             if intermediate is None:
                 raise ValueError("a later pipeline stage needs `intermediate` from the previous stage")
             hidden, residual = intermediate["hidden_states"], intermediate["residual"]
-        rope = self.model.rotary_emb.cos_sin(positions, hidden.dtype)
+        rope = self.model.rotary_emb.cos_sin(positions, hidden.dtype, attn)
         compiled, normed = self.compiled_layers, None
         # A compiled model built without its LoRA layers cannot serve a step with adapters.
         lora_on = self.lora_state is not None and self.lora_state.mapping is not None and not compiled.lora \
