@@ -154,8 +154,9 @@ class Gemma3Rotary(nn.Module):
         self.full = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling)
         self.sliding = RotaryEmbedding(spec.head_dim, spec.local_rope_theta, spec.local_rope_scaling)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        (cos_full, sin_full), (cos_local, sin_local) = (r.cos_sin(positions, dtype) for r in (self.full, self.sliding))
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, attn=None) -> tuple[torch.Tensor, torch.Tensor]:
+        (cos_full, sin_full), (cos_local, sin_local) = (r.cos_sin(positions, dtype, attn)
+                                                        for r in (self.full, self.sliding))
         return torch.cat([cos_full, cos_local], dim=-1), torch.cat([sin_full, sin_local], dim=-1)
 
 
