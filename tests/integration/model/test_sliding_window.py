@@ -86,6 +86,8 @@ SETTINGS = {
     "prefix-cache": dict(rounds=2),
     "preempted": dict(kv_blocks=16, max_num_batched_tokens=16),
     "batch-invariant": dict(batch_invariant=True, max_num_batched_tokens=8),
+    "mp-tp2pp2-chunked-preempted": dict(tensor_parallel_size=2, pipeline_parallel_size=2, max_num_batched_tokens=8,
+                                        kv_blocks=16),
 }
 
 
@@ -142,3 +144,19 @@ def test_freeing_out_of_window_blocks_avoids_preemption(checkpoints, monkeypatch
     monkeypatch.setattr(windows, "kv_freeing_window", lambda layer_windows: None)
     _, kept = _run(path, prompts, **tight)
     assert kept["preemptions"] > 0
+
+
+@pytest.mark.timeout(240)
+def test_a_sliding_only_model_serves_sequences_longer_than_its_cache(checkpoints):
+    """8 blocks of 4 (32 tokens) serve 41-token Mistral sequences of max_model_len 64, a chunk of
+    8 at a time: each holds its window and chunk only. The mixed model, whose full layers keep
+    every block, is refused the same budget (one-line ConfigError, before any process starts)."""
+    from spmd_engine.config import ConfigError
+    path = checkpoints["mistral-window6"]
+    prompts = _prompts()
+    outputs, stats = _run(path, prompts, kv_cache_memory_bytes=_kv_bytes(path, 8), max_num_batched_tokens=8)
+    assert stats["num_blocks"] == 8
+    assert not _problems(_hf(path), prompts, outputs)
+    mixed = checkpoints["qwen2-full-then-window5"]
+    with pytest.raises(ConfigError, match="fewer than max_model_len 64"):
+        _run(mixed, prompts, kv_cache_memory_bytes=_kv_bytes(mixed, 8), max_num_batched_tokens=8)
