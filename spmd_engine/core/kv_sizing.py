@@ -119,6 +119,15 @@ def describe(num_blocks: int, block_size: int, bytes_per_token: int) -> str:
             f"{tokens * bytes_per_token / GiB:.3f} GiB per rank")
 
 
+def describe_window(window: int | None, scheduler_config, block_size: int) -> str:
+    """What `describe` leaves out for a sliding-only model: a sequence's most tokens held."""
+    if window is None:
+        return ""
+    sc = scheduler_config
+    held = sequence_tokens(sc.max_model_len, block_size, window, sc.max_num_batched_tokens)
+    return f"; sliding window {window} on every layer: a sequence holds at most {held} tokens"
+
+
 @dataclass
 class KVPlan:
     """The KV cache a launch will get per rank, as far as it is known before any process starts."""
