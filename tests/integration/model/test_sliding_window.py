@@ -59,10 +59,15 @@ def _prompts(n=(3, 13, 29, 22)) -> list[list[int]]:
     return [torch.randint(0, SMALL["vocab_size"], (k,), generator=gen).tolist() for k in n]
 
 
-def _run(path, prompts, rounds=1, **settings):
+def _run(path, prompts, rounds=1, sleep=False, **settings):
+    """The last of `rounds` generations of `prompts` (sleeping and waking between them if `sleep`)."""
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=TOP_K, ignore_eos=True)
     with LLM(model=str(path), block_size=BLOCK, max_model_len=64, **settings) as llm:
-        outs = [llm.generate(prompts, params) for _ in range(rounds)][-1]
+        for i in range(rounds):
+            if sleep and i:
+                llm.sleep(1)
+                llm.wake_up()
+            outs = llm.generate(prompts, params)
         stats = llm.get_stats()[0]
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], stats
 
@@ -86,6 +91,8 @@ SETTINGS = {
     "prefix-cache": dict(rounds=2),
     "preempted": dict(kv_blocks=16, max_num_batched_tokens=16),
     "batch-invariant": dict(batch_invariant=True, max_num_batched_tokens=8),
+    "slept-and-woken": dict(rounds=2, sleep=True, enable_sleep_mode=True, max_num_batched_tokens=8),
+    "async-chunked-preempted": dict(async_scheduling=True, max_num_batched_tokens=8, kv_blocks=16),
     "mp-tp2pp2-chunked-preempted": dict(tensor_parallel_size=2, pipeline_parallel_size=2, max_num_batched_tokens=8,
                                         kv_blocks=16),
 }
