@@ -323,7 +323,7 @@ def check_kv_budget_up_front(config: EngineConfig, hf_config, spec) -> None:
         from spmd_engine.model.windows import kv_freeing_window
         sc = config.scheduler_config
         kv_sizing.check_fits(plan.num_blocks, plan.block_size, sc.max_model_len, plan.bytes_per_token,
-                             plan.budget_bytes, kv_freeing_window(spec.layer_windows), sc.max_num_batched_tokens)
+                             plan.budget_bytes, kv_freeing_window(spec.layer_windows, config.model_config), sc.max_num_batched_tokens)
 
 
 def front_end_kv_plan(config: EngineConfig, hf_config, spec) -> kv_sizing.KVPlan:

@@ -37,7 +37,7 @@ class EngineCore:
         self.num_kv_blocks = num_blocks
         cache.num_gpu_blocks, cache.num_cpu_blocks = num_blocks, 0
         from spmd_engine.model.windows import kv_freeing_window
-        window = kv_freeing_window(_lora_spec(config).layer_windows)
+        window = kv_freeing_window(_lora_spec(config).layer_windows, config.model_config)
         logger.info("engine ready: %s", kv_sizing.describe(num_blocks, cache.block_size, per_token)
                     + kv_sizing.describe_window(window, config.scheduler_config, cache.block_size))
         kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, window)

@@ -45,7 +45,7 @@ def _layout_memory(models: RankModels, setup, layout: Layout, parallel, partitio
                for m in ranks]
     blocks = min(kv_sizing.num_blocks_for(b, bs, m.kv_bytes_per_token) for b, m in zip(budgets, ranks))
     # A sliding-only model's sequence holds its window and a chunk, not max_model_len (kv_sizing).
-    seq = kv_sizing.sequence_tokens(mml, bs, kv_freeing_window(spec.layer_windows),
+    seq = kv_sizing.sequence_tokens(mml, bs, kv_freeing_window(spec.layer_windows, config.model_config),
                                     config.scheduler_config.max_num_batched_tokens)
     per_rank = [{"rank": r, "weight_bytes": m.weight_bytes, "activation_bytes": act,
                  "kv_cache_bytes": blocks * bs * m.kv_bytes_per_token, "kv_blocks": blocks,

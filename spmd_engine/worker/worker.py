@@ -230,7 +230,7 @@ class Worker:
         from spmd_engine.model.windows import kv_freeing_window
         sc = self.config.scheduler_config
         kv_sizing.check_fits(agreed, runner.block_size, sc.max_model_len, per_token, budget,
-                             kv_freeing_window(runner.model.spec.layer_windows), sc.max_num_batched_tokens)
+                             kv_freeing_window(runner.model.spec.layer_windows, self.config.model_config), sc.max_num_batched_tokens)
         return agreed, per_token
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
