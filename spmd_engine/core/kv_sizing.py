@@ -80,10 +80,29 @@ def num_blocks_for(budget_bytes: int, block_size: int, bytes_per_token: int) -> 
     return max(0, budget_bytes) // (block_size * max(1, bytes_per_token))
 
 
+def sequence_tokens(max_model_len: int, block_size: int, window: int | None = None,
+                    max_num_batched_tokens: int | None = None) -> int:
+    """The cache, in tokens, one sequence of max_model_len holds at its peak. With every layer's
+    sliding window `window` (the KV cache manager frees blocks behind it) no more than a step's
+    chunk, the W - 1 keys before it and a block each side cut part way: so a model whose windows
+    are short serves sequences longer than its cache."""
+    if window is None or max_num_batched_tokens is None:
+        return max_model_len
+    return min(max_model_len, (-(-(window - 1 + max_num_batched_tokens) // block_size) + 1) * block_size)
+
+
 def check_fits(num_blocks: int, block_size: int, max_model_len: int, bytes_per_token: int,
-               budget_bytes: int) -> None:
-    """One max_model_len sequence must fit, or nothing could ever finish."""
-    if num_blocks * block_size < max_model_len:
+               budget_bytes: int, window: int | None = None, max_num_batched_tokens: int | None = None) -> None:
+    """One max_model_len sequence must fit, or nothing could ever finish (`sequence_tokens`)."""
+    need_tokens = sequence_tokens(max_model_len, block_size, window, max_num_batched_tokens)
+    if need_tokens < max_model_len and num_blocks * block_size < need_tokens:
+        raise ConfigError(
+            f"KV cache budget {budget_bytes} bytes per rank holds {num_blocks} blocks of {block_size} tokens, "
+            f"fewer than the {need_tokens} tokens one sequence holds at once (sliding window {window}, "
+            f"max_num_batched_tokens {max_num_batched_tokens}): raise --kv-cache-memory-bytes or "
+            f"--gpu-memory-utilization, or lower --max-num-batched-tokens"
+        )
+    if need_tokens == max_model_len and num_blocks * block_size < max_model_len:
         need = -(-max_model_len // block_size) * block_size * bytes_per_token
         raise ConfigError(
             f"KV cache budget {budget_bytes} bytes per rank holds {num_blocks} blocks of {block_size} tokens "
@@ -98,6 +117,15 @@ def describe(num_blocks: int, block_size: int, bytes_per_token: int) -> str:
     tokens = num_blocks * block_size
     return (f"KV cache: {num_blocks} blocks of {block_size} tokens = {tokens} tokens, "
             f"{tokens * bytes_per_token / GiB:.3f} GiB per rank")
+
+
+def describe_window(window: int | None, scheduler_config, block_size: int) -> str:
+    """What `describe` leaves out for a sliding-only model: a sequence's most tokens held."""
+    if window is None:
+        return ""
+    sc = scheduler_config
+    held = sequence_tokens(sc.max_model_len, block_size, window, sc.max_num_batched_tokens)
+    return f"; sliding window {window} on every layer: a sequence holds at most {held} tokens"
 
 
 @dataclass

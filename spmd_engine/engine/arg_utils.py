@@ -320,8 +320,10 @@ def check_kv_budget_up_front(config: EngineConfig, hf_config, spec) -> None:
     found before any process starts; workers check again with their device's numbers."""
     plan = front_end_kv_plan(config, hf_config, spec)
     if plan.budget_bytes is not None:
-        kv_sizing.check_fits(plan.num_blocks, plan.block_size, config.scheduler_config.max_model_len,
-                             plan.bytes_per_token, plan.budget_bytes)
+        from spmd_engine.model.windows import kv_freeing_window
+        sc = config.scheduler_config
+        kv_sizing.check_fits(plan.num_blocks, plan.block_size, sc.max_model_len, plan.bytes_per_token,
+                             plan.budget_bytes, kv_freeing_window(spec.layer_windows, config.model_config), sc.max_num_batched_tokens)
 
 
 def front_end_kv_plan(config: EngineConfig, hf_config, spec) -> kv_sizing.KVPlan:

@@ -36,10 +36,11 @@ class EngineCore:
             raise
         self.num_kv_blocks = num_blocks
         cache.num_gpu_blocks, cache.num_cpu_blocks = num_blocks, 0
-        logger.info("engine ready: %s", kv_sizing.describe(num_blocks, cache.block_size, per_token))
         from spmd_engine.model.windows import kv_freeing_window
-        kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
-                            kv_freeing_window(_lora_spec(config).layer_windows))
+        window = kv_freeing_window(_lora_spec(config).layer_windows, config.model_config)
+        logger.info("engine ready: %s", kv_sizing.describe(num_blocks, cache.block_size, per_token)
+                    + kv_sizing.describe_window(window, config.scheduler_config, cache.block_size))
+        kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, window)
         lora = config.lora_config
         self.scheduler = Scheduler(config.scheduler_config, kv, eos_token_id, max_loras=lora.max_loras if lora else 0)
         from spmd_engine.engine.lora_adapters import LoRAAdapters

@@ -59,8 +59,12 @@ def _layer_types(family: str, cfg: Mapping[str, Any], num_layers: int, window: i
     return types
 
 
-def kv_freeing_window(windows: tuple[int | None, ...]) -> int | None:
+def kv_freeing_window(windows: tuple[int | None, ...], model_config=None) -> int | None:
     """The window the KV cache manager may free blocks behind: the one every layer shares, else
-    None (a full-attention layer, or layers of different windows, keep every block)."""
+    None (a full-attention layer, or layers of different windows, keep every block). None too
+    under routing replay (`model_config.enable_return_routed_experts`): it reads a cached
+    prefix's expert rows back by KV slot (worker/routing_replay.py), which a freed block lost."""
+    if model_config is not None and model_config.enable_return_routed_experts:
+        return None
     kinds = set(windows)
     return kinds.pop() if len(kinds) == 1 else None

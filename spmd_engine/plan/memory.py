@@ -14,6 +14,7 @@ from spmd_engine.config import ConfigError, ParallelConfig
 from spmd_engine.core import kv_sizing
 from spmd_engine.kernels.packed_weights import packing_applies
 from spmd_engine.model.partition import check_layout, default_pp_partition
+from spmd_engine.model.windows import kv_freeing_window
 from spmd_engine.plan.rank_weights import RankModels
 from spmd_engine.platform import resolve_dtype
 from spmd_engine.topology import Layout
@@ -43,9 +44,12 @@ def _layout_memory(models: RankModels, setup, layout: Layout, parallel, partitio
                                      (gpu_memory - m.weight_bytes, gpu_memory) if gpu_memory else None)
                for m in ranks]
     blocks = min(kv_sizing.num_blocks_for(b, bs, m.kv_bytes_per_token) for b, m in zip(budgets, ranks))
+    # A sliding-only model's sequence holds its window and a chunk, not max_model_len (kv_sizing).
+    seq = kv_sizing.sequence_tokens(mml, bs, kv_freeing_window(spec.layer_windows, config.model_config),
+                                    config.scheduler_config.max_num_batched_tokens)
     per_rank = [{"rank": r, "weight_bytes": m.weight_bytes, "activation_bytes": act,
                  "kv_cache_bytes": blocks * bs * m.kv_bytes_per_token, "kv_blocks": blocks,
-                 "kv_tokens": blocks * bs, "max_concurrent_seqs": blocks * bs // mml}
+                 "kv_tokens": blocks * bs, "max_concurrent_seqs": blocks * bs // seq}
                 for r, m in enumerate(ranks)]
     why_not = None
     if gpu_memory:
@@ -60,9 +64,9 @@ def _layout_memory(models: RankModels, setup, layout: Layout, parallel, partitio
                      f"{cache.gpu_memory_utilization:g} x {_size(gpu_memory)} = {_size(cap)}")
             why_not = (f"rank {worst} needs {_size(w['weight_bytes'])} of weights + {_size(act)} of activations "
                        f"+ {_size(kv_sizing.CUDA_RESERVE_BYTES)} reserve{kv}, more than {limit}")
-    if why_not is None and blocks * bs < mml:
+    if why_not is None and blocks * bs < seq:
         why_not = (f"the KV cache left holds {blocks} blocks of {bs} = {blocks * bs} tokens per rank, fewer "
-                   f"than one sequence of max_model_len {mml}")
+                   f"than one sequence of max_model_len {mml}" + (f" holds ({seq})" if seq < mml else ""))
     return {"per_rank": per_rank, "why_not": why_not}
 
 

@@ -227,7 +227,10 @@ class Worker:
         blocks = torch.tensor([kv_sizing.num_blocks_for(budget, runner.block_size, per_token)], dtype=torch.int64)
         dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=self.world_group.cpu_group)
         agreed = int(blocks.item())
-        kv_sizing.check_fits(agreed, runner.block_size, self.config.scheduler_config.max_model_len, per_token, budget)
+        from spmd_engine.model.windows import kv_freeing_window
+        sc = self.config.scheduler_config
+        kv_sizing.check_fits(agreed, runner.block_size, sc.max_model_len, per_token, budget,
+                             kv_freeing_window(runner.model.spec.layer_windows, self.config.model_config), sc.max_num_batched_tokens)
         return agreed, per_token
 
     def initialize_kv_cache(self, num_blocks: int) -> None:

@@ -59,10 +59,15 @@ def _prompts(n=(3, 13, 29, 22)) -> list[list[int]]:
     return [torch.randint(0, SMALL["vocab_size"], (k,), generator=gen).tolist() for k in n]
 
 
-def _run(path, prompts, rounds=1, **settings):
+def _run(path, prompts, rounds=1, sleep=False, **settings):
+    """The last of `rounds` generations of `prompts` (sleeping and waking between them if `sleep`)."""
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=TOP_K, ignore_eos=True)
     with LLM(model=str(path), block_size=BLOCK, max_model_len=64, **settings) as llm:
-        outs = [llm.generate(prompts, params) for _ in range(rounds)][-1]
+        for i in range(rounds):
+            if sleep and i:
+                llm.sleep(1)
+                llm.wake_up()
+            outs = llm.generate(prompts, params)
         stats = llm.get_stats()[0]
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], stats
 
@@ -86,6 +91,10 @@ SETTINGS = {
     "prefix-cache": dict(rounds=2),
     "preempted": dict(kv_blocks=16, max_num_batched_tokens=16),
     "batch-invariant": dict(batch_invariant=True, max_num_batched_tokens=8),
+    "slept-and-woken": dict(rounds=2, sleep=True, enable_sleep_mode=True, max_num_batched_tokens=8),
+    "async-chunked-preempted": dict(async_scheduling=True, max_num_batched_tokens=8, kv_blocks=16),
+    "mp-tp2pp2-chunked-preempted": dict(tensor_parallel_size=2, pipeline_parallel_size=2, max_num_batched_tokens=8,
+                                        kv_blocks=16),
 }
 
 
@@ -139,6 +148,22 @@ def test_freeing_out_of_window_blocks_avoids_preemption(checkpoints, monkeypatch
     assert stats["preemptions"] == 0 and stats["peak_running"] == 4
     assert not _problems(_hf(path), prompts, outputs)
     from spmd_engine.model import windows
-    monkeypatch.setattr(windows, "kv_freeing_window", lambda layer_windows: None)
+    monkeypatch.setattr(windows, "kv_freeing_window", lambda *args: None)
     _, kept = _run(path, prompts, **tight)
     assert kept["preemptions"] > 0
+
+
+@pytest.mark.timeout(240)
+def test_a_sliding_only_model_serves_sequences_longer_than_its_cache(checkpoints):
+    """8 blocks of 4 (32 tokens) serve 41-token Mistral sequences of max_model_len 64, a chunk of
+    8 at a time: each holds its window and chunk only. The mixed model, whose full layers keep
+    every block, is refused the same budget (one-line ConfigError, before any process starts)."""
+    from spmd_engine.config import ConfigError
+    path = checkpoints["mistral-window6"]
+    prompts = _prompts()
+    outputs, stats = _run(path, prompts, kv_cache_memory_bytes=_kv_bytes(path, 8), max_num_batched_tokens=8)
+    assert stats["num_blocks"] == 8
+    assert not _problems(_hf(path), prompts, outputs)
+    mixed = checkpoints["qwen2-full-then-window5"]
+    with pytest.raises(ConfigError, match="fewer than max_model_len 64"):
+        _run(mixed, prompts, kv_cache_memory_bytes=_kv_bytes(mixed, 8), max_num_batched_tokens=8)

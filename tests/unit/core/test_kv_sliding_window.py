@@ -104,3 +104,27 @@ def test_a_gemma3_shaped_request_holds_far_fewer_blocks():
 
 if __name__ == "__main__":  # the comparison for the report
     print(gemma3_comparison())
+
+
+def test_preemption_under_a_window_returns_every_block():
+    """Requests outgrowing a 6-block pool are preempted and recomputed; freed (NULL) entries are
+    never freed twice and the pool ends whole."""
+    s = scheduler(num_blocks=6, block_size=4, budget=8, max_model_len=64)
+    s.kv.sliding_window = 5
+    for i in range(4):
+        s.add_request(make(i, prompt_len=20, max_tokens=20, ignore_eos=True, first=i))
+    trace = drive(s, lambda rid, step: EOS - 1)
+    assert s.stats["preemptions"] > 0 and s.kv.num_free_blocks == 6
+    assert sum(n for step in trace for (_, n, _, _) in step) >= 4 * 39
+
+
+def test_check_fits_counts_a_window_and_a_chunk():
+    from spmd_engine.config import ConfigError
+    from spmd_engine.core.kv_sizing import check_fits, sequence_tokens
+    assert sequence_tokens(64, 4, 6, 8) == 20 and sequence_tokens(64, 4, None, 8) == 64
+    assert sequence_tokens(16, 4, 6, 8) == 16  # never more than max_model_len
+    check_fits(8, 4, 64, 1, 32, window=6, max_num_batched_tokens=8)
+    with pytest.raises(ConfigError, match="fewer than max_model_len 64"):
+        check_fits(8, 4, 64, 1, 32)
+    with pytest.raises(ConfigError, match="sliding window 6, max_num_batched_tokens 32"):
+        check_fits(8, 4, 64, 1, 32, window=6, max_num_batched_tokens=32)

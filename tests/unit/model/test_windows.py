@@ -76,3 +76,15 @@ def test_bad_window_configs_are_one_line_errors(bad, match):
     cfg = {**SMALL, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "sliding_window": 4, **bad}
     with pytest.raises(ConfigError, match=match):
         ModelSpec.from_hf_config(cfg)
+
+
+def test_the_kv_cache_frees_behind_one_shared_window_only():
+    from types import SimpleNamespace
+
+    from spmd_engine.model.windows import kv_freeing_window
+    assert kv_freeing_window((8, 8)) == 8
+    assert kv_freeing_window((8, None)) is None and kv_freeing_window((8, 4)) is None
+    assert kv_freeing_window(()) is None and kv_freeing_window((None,)) is None
+    # Routing replay reads a cached prefix's rows back by KV slot: every block is kept.
+    assert kv_freeing_window((8, 8), SimpleNamespace(enable_return_routed_experts=True)) is None
+    assert kv_freeing_window((8, 8), SimpleNamespace(enable_return_routed_experts=False)) == 8
