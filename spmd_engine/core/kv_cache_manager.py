@@ -99,15 +99,10 @@ class KVCacheManager:
         """
         computed_blocks = computed_blocks or []
         table = self.tables.get(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
-        total = num_computed + num_new_tokens
-        if self.sliding_window is not None:
-            self._free_out_of_window(table, num_computed)
-        needed = -(-total // self.block_size) - len(table) - len(computed_blocks)
-        # A hit on a free cached block takes it out of the free queue too.
-        reclaimed = sum(1 for b in computed_blocks if b != NULL_BLOCK and self.pool.ref_cnt[b] == 0)
-        if needed + reclaimed > self.pool.num_free_blocks:
+        total = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        if not self.fits(request, num_new_tokens, computed_blocks):
             return None
+        needed = -(-total // self.block_size) - len(table) - len(computed_blocks)
         self.pool.touch(b for b in computed_blocks if b != NULL_BLOCK)
         added = computed_blocks + self.pool.get_new_blocks(max(0, needed))
         table = table + added
@@ -129,6 +124,23 @@ class KVCacheManager:
         if self.sliding_window is not None:
             return [0 if b == NULL_BLOCK else b for b in added]
         return added
+
+    def fits(self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None) -> bool:
+        """Whether `allocate_slots` would succeed. Frees the blocks out of the window first (no
+        query from here on reads them), so a grouped cache asks every group before taking any."""
+        computed_blocks = computed_blocks or []
+        table = self.tables.get(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        if self.sliding_window is not None and table:
+            self._free_out_of_window(table, num_computed)
+        needed = -(-(num_computed + num_new_tokens) // self.block_size) - len(table) - len(computed_blocks)
+        # A hit on a free cached block takes it out of the free queue too.
+        reclaimed = sum(1 for b in computed_blocks if b != NULL_BLOCK and self.pool.ref_cnt[b] == 0)
+        return needed + reclaimed <= self.pool.num_free_blocks
+
+    def hit_tokens(self, computed_blocks: list[int]) -> int:
+        """The tokens a prefix hit (get_computed_blocks' answer) covers."""
+        return len(computed_blocks) * self.block_size
 
     def _free_out_of_window(self, table: list[int], num_computed: int) -> None:
         """Free, in place and oldest first, the table's blocks that no query from position

@@ -156,7 +156,6 @@ class Scheduler:
                loras: set[int]) -> int:
         """Waiting requests in order, while the budget, max_num_seqs and free blocks allow; one
         whose LoRA adapter would exceed max_loras this step is passed over (it keeps its place)."""
-        bs = self.kv.block_size
         j = 0
         while (j < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs
                and len(seqs) < max_seqs):
@@ -166,7 +165,7 @@ class Scheduler:
                 continue
             # prompt_logprobs need every prompt position's logits: no prefix-cache hits (as vLLM).
             hits = [] if request.params.prompt_logprobs is not None else self.kv.get_computed_blocks(request)
-            computed = len(hits) * bs
+            computed = self.kv.hit_tokens(hits)
             n = request.num_tokens - computed
             if n > budget and not self.config.enable_chunked_prefill:
                 break
@@ -197,7 +196,7 @@ class Scheduler:
                               stop_ids if p.min_tokens else [],
                               list(request.prompt_token_ids) if needs_prompt else None, request.lora_int_id)
 
-    def _scheduled(self, request: Request, n: int, added: list[int], new_block_table: bool) -> ScheduledSeq:
+    def _scheduled(self, request: Request, n: int, added, new_block_table: bool) -> ScheduledSeq:
         start, known = request.num_computed_tokens, request.num_tokens
         request.num_computed_tokens = start + n  # counted now, as vLLM: the step is in flight
         sample = start + n == known + request.num_output_placeholders

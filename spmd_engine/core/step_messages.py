@@ -49,13 +49,15 @@ class ScheduledSeq:
     a prompt chunk that does not finish its prompt samples nothing. Under async
     scheduling a token id may be PLACEHOLDER_TOKEN_ID: the token the previous step
     (still in flight when this one was scheduled) sampled for this request, which
-    the runner fills in from its own sampler.
+    the runner fills in from its own sampler. With a KV cache of several groups (a model
+    mixing full and sliding-window layers, core/kv_groups.py) `block_ids` is a tuple of one
+    such list per group, in the groups' order.
     """
 
     request_id: str
     token_ids: list[int]
     context_len: int
-    block_ids: list[int]
+    block_ids: list[int] | tuple[list[int], ...]
     new_block_table: bool
     sample: bool
 

@@ -8,7 +8,8 @@ import time
 from collections import deque
 
 from spmd_engine.config import EngineConfig
-from spmd_engine.core import kv_sizing
+from spmd_engine.core import kv_groups, kv_sizing
+from spmd_engine.core.grouped_kv_cache_manager import GroupedKVCacheManager
 from spmd_engine.core.kv_cache_manager import KVCacheManager
 from spmd_engine.core.request import Request
 from spmd_engine.core.scheduler import Scheduler
@@ -37,10 +38,19 @@ class EngineCore:
         self.num_kv_blocks = num_blocks
         cache.num_gpu_blocks, cache.num_cpu_blocks = num_blocks, 0
         from spmd_engine.model.windows import kv_freeing_window
-        window = kv_freeing_window(_lora_spec(config).layer_windows, config.model_config)
-        logger.info("engine ready: %s", kv_sizing.describe(num_blocks, cache.block_size, per_token)
-                    + kv_sizing.describe_window(window, config.scheduler_config, cache.block_size))
-        kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, window)
+        windows = _lora_spec(config).layer_windows
+        window = kv_freeing_window(windows, config.model_config)
+        groups = kv_groups.group_windows(windows, config.model_config)
+        if groups:  # a model mixing windows: a table per group (core/grouped_kv_cache_manager.py)
+            share = {w: per_token * windows.count(w) // len(windows) for w in groups}  # the layers' shares
+            logger.info("engine ready: %s", kv_groups.describe(num_blocks, cache.block_size, share,
+                                                               config.scheduler_config))
+            kv = GroupedKVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, groups,
+                                       config.scheduler_config)
+        else:
+            logger.info("engine ready: %s", kv_sizing.describe(num_blocks, cache.block_size, per_token)
+                        + kv_sizing.describe_window(window, config.scheduler_config, cache.block_size))
+            kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, window)
         lora = config.lora_config
         self.scheduler = Scheduler(config.scheduler_config, kv, eos_token_id, max_loras=lora.max_loras if lora else 0)
         from spmd_engine.engine.lora_adapters import LoRAAdapters

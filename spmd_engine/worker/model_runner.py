@@ -19,7 +19,7 @@ from collections import Counter
 import torch
 
 from spmd_engine.config import EngineConfig
-from spmd_engine.core import kv_sizing
+from spmd_engine.core import kv_groups, kv_sizing
 from spmd_engine.core.step_messages import (
     EMPTY_MODEL_RUNNER_OUTPUT,
     PLACEHOLDER_TOKEN_ID,
@@ -27,6 +27,7 @@ from spmd_engine.core.step_messages import (
     SchedulerOutput,
 )
 from spmd_engine.sample.sampler import Sampler, SamplerOutput, logprob_entries
+from spmd_engine.worker import group_tables
 
 logger = logging.getLogger("spmd_engine")
 
@@ -45,7 +46,8 @@ class ModelRunner:
         self.sampler = Sampler(config.model_config.logprobs_mode, batch_invariant=self.batch_invariant)
         self.block_size = config.cache_config.block_size
         self.num_blocks = 0
-        self.block_tables: dict[str, list[int]] = {}
+        self.block_tables: dict[str, list[int]] = {}  # a tuple of one per group with kv_windows
+        self.kv_windows: tuple = ()  # the KV groups' windows, set with the model (core/kv_groups.py)
         self.prompt_lens: dict[str, int] = {}
         # Async scheduling: each request's last sampled token, the input a step scheduled while
         # that token's step was in flight asks for (PLACEHOLDER_TOKEN_ID).
@@ -79,6 +81,7 @@ class ModelRunner:
                          ", ".join(f"{n} for {k}" for k, n in sorted(kernels.items())))
         if mc.enable_return_routed_experts:
             self.model.record_routing()
+        self.kv_windows = kv_groups.group_windows(self.model.spec.layer_windows, mc)
         if self.config.lora_config is not None:
             from spmd_engine.model.lora.manager import LoRAManager
             self.lora = LoRAManager(self.model, self.config.lora_config, self.device)
@@ -130,8 +133,11 @@ class ModelRunner:
         finite). On CPU the zeros come from calloc, so untouched blocks cost no resident memory."""
         self.model.check_max_model_len(self.config.scheduler_config.max_model_len)
         graphs = self._wants_decode_graphs()
-        # With CUDA graphs one block more than the scheduler hands out: the graphs' padding rows'.
-        self.model.allocate_kv_cache(num_blocks + graphs, self.block_size, zeros=_zeros)
+        if self.kv_windows:  # a KV cache of several groups: each group's layers its own count
+            group_tables.allocate(self.model, kv_groups.blocks_per_group(
+                num_blocks, self.kv_windows, self.block_size, self.config.scheduler_config), self.block_size, _zeros)
+        else:  # with CUDA graphs one block more than the scheduler hands out: the graphs' padding rows'
+            self.model.allocate_kv_cache(num_blocks + graphs, self.block_size, zeros=_zeros)
         self.num_blocks = num_blocks
         if self.model.compiled_layers is not None and self.compile_seconds is None:
             self._compile()
@@ -147,6 +153,11 @@ class ModelRunner:
     def _wants_decode_graphs(self) -> bool:
         """CUDA graphs for decode steps: on CUDA where the config asks (arg_utils' rule), one rank
         alone in its TP and PP groups (a collective inside a graph is not proven here)."""
+        if self.kv_windows:
+            if self.device.type == "cuda":
+                logger.info("CUDA graphs: off for a KV cache of several groups (a decode graph takes one "
+                            "block table for every layer)")
+            return False
         if self.device.type != "cuda" or self.config.compilation_config.cudagraph_mode in (None, "NONE"):
             return False
         if self.tp_group.world_size > 1 or self.pp_group.world_size > 1:
@@ -411,7 +422,9 @@ class ModelRunner:
         context, lens, tables = [], [], []
         prefill = 0
         for s in out.seqs:
-            if s.new_block_table:
+            if self.kv_windows:
+                table = group_tables.update(self.block_tables, s.request_id, s.block_ids, s.new_block_table)
+            elif s.new_block_table:
                 table = self.block_tables[s.request_id] = list(s.block_ids)
             else:
                 table = self.block_tables[s.request_id]
@@ -421,8 +434,12 @@ class ModelRunner:
             lens.append(n)
             tables.append(table)
             prefill += max(0, min(s.context_len + n, self.prompt_lens.get(s.request_id, 0)) - s.context_len)
-        attn = AttentionMetadata.build(context, lens, tables, self.block_size, self.device,
-                                       invariant=self.batch_invariant)
+        if self.kv_windows:
+            attn = group_tables.build(context, lens, tables, self.kv_windows, self.block_size, self.device,
+                                      self.batch_invariant)
+        else:
+            attn = AttentionMetadata.build(context, lens, tables, self.block_size, self.device,
+                                           invariant=self.batch_invariant)
         attn.prompt_lens = [self.prompt_lens.get(s.request_id, 0) for s in out.seqs]
         ids = attn.pack([s.token_ids for s in out.seqs])
         # The last token of each sampling request, in schedule order, wherever packing put it;

@@ -224,11 +224,17 @@ class Worker:
         runner = self.model_runner
         per_token = runner.model.kv_bytes_per_token()
         budget = runner.kv_budget_bytes()
-        blocks = torch.tensor([kv_sizing.num_blocks_for(budget, runner.block_size, per_token)], dtype=torch.int64)
+        sc = self.config.scheduler_config
+        if runner.kv_windows:  # several KV groups: the full group's count, each group sized (core/kv_groups.py)
+            from spmd_engine.core import kv_groups
+            from spmd_engine.worker import group_tables
+            mine = kv_groups.num_blocks_for(budget, runner.block_size, group_tables.bytes_by_window(runner.model), sc)
+        else:
+            mine = kv_sizing.num_blocks_for(budget, runner.block_size, per_token)
+        blocks = torch.tensor([mine], dtype=torch.int64)
         dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=self.world_group.cpu_group)
         agreed = int(blocks.item())
         from spmd_engine.model.windows import kv_freeing_window
-        sc = self.config.scheduler_config
         kv_sizing.check_fits(agreed, runner.block_size, sc.max_model_len, per_token, budget,
                              kv_freeing_window(runner.model.spec.layer_windows, self.config.model_config), sc.max_num_batched_tokens)
         return agreed, per_token

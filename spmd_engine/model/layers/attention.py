@@ -156,14 +156,23 @@ class AttentionMetadata:
     query_lens: list[int]
     tiles: InvariantTiles | None = None  # batch-invariant mode: the one attention recipe
     prompt_lens: list[int] | None = None  # by scheduler row, set by the runner: longrope's switch reads it
+    # A KV cache of several groups (core/kv_groups.py): each group's own metadata (its block
+    # tables and slots) by the window of its layers; each layer takes its group's (`for_window`).
+    by_window: dict | None = None
     _decode: list = field(default_factory=list, repr=False, compare=False)
 
     def decode_step(self) -> DecodeStep | None:
         """This step as a DecodeStep if it is decode-shaped (one new token for each request, every
-        one with a cache, writing its K/V: `build` made it), else None."""
-        if self.slot_mapping is None or not self._decode:
+        one with a cache, writing its K/V: `build` made it), else None. None for a step of several
+        KV groups: a DecodeStep carries one block table, and the decode graphs and compiled
+        decode layers that take it whole would give every layer the same."""
+        if self.slot_mapping is None or not self._decode or self.by_window is not None:
             return None
         return self._decode[0]
+
+    def for_window(self, window: int | None) -> "AttentionMetadata":
+        """The metadata of the KV group whose layers have sliding window `window`."""
+        return self if self.by_window is None else self.by_window[window]
 
     @classmethod
     def build(cls, context_lens: Sequence[int], query_lens: Sequence[int],
@@ -332,6 +341,8 @@ class Attention(nn.Module):
                                    and decode_kernel.usable(k_cache.device))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttentionMetadata | None):
+        if isinstance(attn, AttentionMetadata):
+            attn = attn.for_window(self.sliding_window)
         if self.sinks is not None:
             return self._with_sinks(q, k, v, attn)
         if attn is None:
@@ -360,6 +371,8 @@ class Attention(nn.Module):
             return out.reshape(B, T, self.num_heads * self.head_dim)
         if self.k_cache is None:
             raise RuntimeError("KV cache not allocated: the model runner allocates it before the first step")
+        if isinstance(attn, AttentionMetadata):
+            attn = attn.for_window(self.sliding_window)
         if attn is COMPILED:
             return torch.ops.spmd_engine.sink_attention(q, k, v, self.k_cache, self.v_cache, sinks, self.scale,
                                                         window or 0)
@@ -479,7 +492,7 @@ _lib.define("attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_ca
 
 
 def _attention_op(q, k, v, k_cache, v_cache, scale, window=0):
-    attn = forward_context.attn_metadata()
+    attn = forward_context.attn_metadata().for_window(window or None)
     return paged_attention(q, k, v, k_cache, v_cache, attn, scale, window or None).contiguous()
 
 

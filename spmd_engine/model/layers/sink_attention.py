@@ -130,7 +130,7 @@ _lib.define("sink_attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor
 
 
 def _sink_attention_op(q, k, v, k_cache, v_cache, sinks, scale, window=0):
-    return paged(q, k, v, k_cache, v_cache, forward_context.attn_metadata(), sinks, scale, window or None).contiguous()
+    return paged(q, k, v, k_cache, v_cache, forward_context.attn_metadata().for_window(window or None), sinks, scale, window or None).contiguous()
 
 
 _lib.impl("sink_attention", _sink_attention_op, "CompositeExplicitAutograd")
