@@ -33,6 +33,15 @@ def group_windows(windows: tuple[int | None, ...], model_config=None) -> tuple[i
     return tuple(sorted(kinds, key=lambda w: -1 if w is None else w))
 
 
+def bytes_by_window(model) -> dict[int | None, int]:
+    """One token's K and V in a rank's layers of each group (`model`: its stage, its heads)."""
+    out: dict[int | None, int] = {}
+    for layer in model._attention_layers():
+        per = 2 * layer.num_kv_heads * layer.head_dim * model.dtype.itemsize
+        out[layer.sliding_window] = out.get(layer.sliding_window, 0) + per
+    return out
+
+
 def window_blocks(window: int, block_size: int, scheduler_config) -> int:
     """The most blocks a sliding group's sequences hold at once: per sequence the W - 1 keys
     before its chunk and a block cut part way each side, plus one step's chunks."""

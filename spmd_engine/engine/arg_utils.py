@@ -320,9 +320,15 @@ def check_kv_budget_up_front(config: EngineConfig, hf_config, spec) -> None:
     found before any process starts; workers check again with their device's numbers."""
     plan = front_end_kv_plan(config, hf_config, spec)
     if plan.budget_bytes is not None:
+        from spmd_engine.core import kv_groups
         from spmd_engine.model.windows import kv_freeing_window
         sc = config.scheduler_config
-        kv_sizing.check_fits(plan.num_blocks, plan.block_size, sc.max_model_len, plan.bytes_per_token,
+        groups, windows = kv_groups.group_windows(spec.layer_windows, config.model_config), spec.layer_windows
+        # A pool per KV group (core/kv_groups.py): the groups' shares of the fullest stage's bytes.
+        blocks = kv_groups.num_blocks_for(plan.budget_bytes, plan.block_size, {
+            w: plan.bytes_per_token * windows.count(w) // len(windows) for w in groups}, sc) if groups \
+            else plan.num_blocks
+        kv_sizing.check_fits(blocks, plan.block_size, sc.max_model_len, plan.bytes_per_token,
                              plan.budget_bytes, kv_freeing_window(spec.layer_windows, config.model_config), sc.max_num_batched_tokens)
 
 

@@ -11,7 +11,7 @@ such cards. On CPU the same numbers come from the CPU budget rule.
 from __future__ import annotations
 
 from spmd_engine.config import ConfigError, ParallelConfig
-from spmd_engine.core import kv_sizing
+from spmd_engine.core import kv_groups, kv_sizing
 from spmd_engine.kernels.packed_weights import packing_applies
 from spmd_engine.model.partition import check_layout, default_pp_partition
 from spmd_engine.model.windows import kv_freeing_window
@@ -43,12 +43,18 @@ def _layout_memory(models: RankModels, setup, layout: Layout, parallel, partitio
     budgets = [kv_sizing.rank_budget(config, spec, layout.tp, itemsize,
                                      (gpu_memory - m.weight_bytes, gpu_memory) if gpu_memory else None)
                for m in ranks]
-    blocks = min(kv_sizing.num_blocks_for(b, bs, m.kv_bytes_per_token) for b, m in zip(budgets, ranks))
+    sc = config.scheduler_config
+    if kv_groups.group_windows(spec.layer_windows, config.model_config):  # a pool per group, each its size
+        blocks = min(kv_groups.num_blocks_for(b, bs, dict(m.kv_bytes_by_window), sc) for b, m in zip(budgets, ranks))
+        kv_bytes = [kv_groups.bytes_held(blocks, bs, dict(m.kv_bytes_by_window), sc) for m in ranks]
+    else:
+        blocks = min(kv_sizing.num_blocks_for(b, bs, m.kv_bytes_per_token) for b, m in zip(budgets, ranks))
+        kv_bytes = [blocks * bs * m.kv_bytes_per_token for m in ranks]
     # A sliding-only model's sequence holds its window and a chunk, not max_model_len (kv_sizing).
     seq = kv_sizing.sequence_tokens(mml, bs, kv_freeing_window(spec.layer_windows, config.model_config),
-                                    config.scheduler_config.max_num_batched_tokens)
+                                    sc.max_num_batched_tokens)
     per_rank = [{"rank": r, "weight_bytes": m.weight_bytes, "activation_bytes": act,
-                 "kv_cache_bytes": blocks * bs * m.kv_bytes_per_token, "kv_blocks": blocks,
+                 "kv_cache_bytes": kv_bytes[r], "kv_blocks": blocks,
                  "kv_tokens": blocks * bs, "max_concurrent_seqs": blocks * bs // seq}
                 for r, m in enumerate(ranks)]
     why_not = None

@@ -42,6 +42,7 @@ class ShapeGroup:
 class RankModel:
     weight_bytes: int  # parameters and buffers, each shared tensor once (a tied head is the embedding)
     kv_bytes_per_token: int  # K and V of one token in this stage's layers, this rank's heads
+    kv_bytes_by_window: tuple = ()  # (window, bytes) of each KV group's layers (core/kv_groups.py)
 
 
 class RankModels:
@@ -89,7 +90,8 @@ class RankModels:
             holders = Counter(id(p) for m in model.modules() for p in m._parameters.values() if p is not None)
             weight_bytes += sum(_nbytes(m.weight) for m in model.modules()
                                 if getattr(m, "packable_weight", False) and holders[id(m.weight)] > 1)
-        return RankModel(weight_bytes, model.kv_bytes_per_token())
+        from spmd_engine.core.kv_groups import bytes_by_window
+        return RankModel(weight_bytes, model.kv_bytes_per_token(), tuple(bytes_by_window(model).items()))
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -13,15 +13,6 @@ import dataclasses
 import torch
 
 
-def bytes_by_window(model) -> dict[int | None, int]:
-    """One token's K and V in this rank's layers of each group."""
-    out: dict[int | None, int] = {}
-    for layer in model._attention_layers():
-        per = 2 * layer.num_kv_heads * layer.head_dim * model.dtype.itemsize
-        out[layer.sliding_window] = out.get(layer.sliding_window, 0) + per
-    return out
-
-
 def allocate(model, counts: dict[int | None, int], block_size: int, zeros=torch.zeros) -> None:
     """Zeroed K and V caches for each layer, of its group's block count (`counts`, by window)."""
     caches = []

@@ -227,8 +227,7 @@ class Worker:
         sc = self.config.scheduler_config
         if runner.kv_windows:  # several KV groups: the full group's count, each group sized (core/kv_groups.py)
             from spmd_engine.core import kv_groups
-            from spmd_engine.worker import group_tables
-            mine = kv_groups.num_blocks_for(budget, runner.block_size, group_tables.bytes_by_window(runner.model), sc)
+            mine = kv_groups.num_blocks_for(budget, runner.block_size, kv_groups.bytes_by_window(runner.model), sc)
         else:
             mine = kv_sizing.num_blocks_for(budget, runner.block_size, per_token)
         blocks = torch.tensor([mine], dtype=torch.int64)
