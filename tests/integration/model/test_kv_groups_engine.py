@@ -14,7 +14,7 @@ import json
 
 import pytest
 from gemma_checkpoint import make_gemma3_checkpoint
-from test_sliding_window import BLOCK, _hf, _problems, _prompts, _run, checkpoints  # noqa: F401
+from test_sliding_window import BLOCK, MODELS, _hf, _problems, _prompts, _run, _save
 
 from spmd_engine.config import SchedulerConfig
 from spmd_engine.core import kv_groups
@@ -33,13 +33,19 @@ def _group_budget(path, full_blocks: int, max_num_seqs: int, max_num_batched_tok
     return kv_groups.bytes_held(full_blocks, BLOCK, shares, sc)
 
 
+@pytest.fixture(scope="module")
+def qwen2_mixed(tmp_path_factory):
+    arch, extra = MODELS["qwen2-full-then-window5"]
+    return _save(tmp_path_factory.mktemp("kvgroups") / "qwen2", arch, extra, 1)
+
+
 TIGHT = dict(max_num_seqs=4, max_num_batched_tokens=8)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_the_sliding_group_frees_its_window_so_a_tight_budget_runs(checkpoints, monkeypatch):
-    path = checkpoints["qwen2-full-then-window5"]
+def test_the_sliding_group_frees_its_window_so_a_tight_budget_runs(qwen2_mixed, monkeypatch):
+    path = qwen2_mixed
     prompts = _prompts()
     budget = _group_budget(path, 32, **TIGHT)
     outputs, stats = _run(path, prompts, kv_cache_memory_bytes=budget, **TIGHT)
