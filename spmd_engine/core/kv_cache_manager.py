@@ -14,10 +14,10 @@ window (each < first new position - W + 1; a chunk's earliest query still needs 
 is never read again: it goes back to the pool (still findable by its hash) and its place in
 the table becomes NULL_BLOCK, which the runner sees as block 0, read only under the mask. A
 prefix hit then needs only the blocks inside the window before the hit point. A model whose
-layers differ in window keeps every block (its windows only mask): freeing per group of
-layers needs a block table per group in the runner, which is not built yet. So does a model
-under routing replay, which reads a cached prefix's expert rows back by KV slot
-(model/windows.py kv_freeing_window decides, for the engine, the workers and the plan alike).
+layers differ in window has one of these per group of layers sharing a window
+(core/grouped_kv_cache_manager.py). A model under routing replay keeps every block: it reads
+a cached prefix's expert rows back by KV slot (model/windows.py kv_freeing_window and
+core/kv_groups.py decide, for the engine, the workers and the plan alike).
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ def _layer_types(family: str, cfg: Mapping[str, Any], num_layers: int, window: i
 
 def kv_freeing_window(windows: tuple[int | None, ...], model_config=None) -> int | None:
     """The window the KV cache manager may free blocks behind: the one every layer shares, else
-    None (a full-attention layer, or layers of different windows, keep every block). None too
+    None (layers of different windows: a table per group, core/kv_groups.py). None too
     under routing replay (`model_config.enable_return_routed_experts`): it reads a cached
     prefix's expert rows back by KV slot (worker/routing_replay.py), which a freed block lost."""
     if model_config is not None and model_config.enable_return_routed_experts:
