@@ -42,7 +42,8 @@ class GroupedKVCacheManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return min(g.num_free_blocks for g in self.groups)
+        """The full group's, beside `pool`: every request holding blocks holds some of its."""
+        return self.groups[0].num_free_blocks
 
     def blocks_of(self, request_id: str) -> list[list[int]]:
         return [g.blocks_of(request_id) for g in self.groups]

@@ -176,7 +176,9 @@ def test_plan_per_rank_weights_equal_a_real_launch(checkpoint, tmp_path, monkeyp
     assert launch.returncode == 0 and not launch.leftover_pids, launch.describe()
     measured = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     for name, kwargs in layouts.items():
-        planned = [r["weight_bytes"] for r in plan_memory(checkpoint, kwargs, monkeypatch, {})["per_rank"]]
-        assert planned == [m[name]["weight_bytes"] for m in measured], name
+        planned = plan_memory(checkpoint, kwargs, monkeypatch, {})["per_rank"]
+        assert [r["weight_bytes"] for r in planned] == [m[name]["weight_bytes"] for m in measured], name
+        # The KV groups' pools (core/kv_groups.py) sized alike by the plan and the workers.
+        assert [r["kv_blocks"] for r in planned] == [m[name]["kv_blocks"] for m in measured], name
     # Not vacuous: PP's stages hold other layers (the first stage the embedding, which the last ties).
     assert len({m["tp2-pp2"]["weight_bytes"] for m in measured}) == 2
