@@ -103,7 +103,7 @@ def test_spec_reads_each_layer_kind():
 
 
 ENGINE_PATHS = [
-    dict(max_num_batched_tokens=8),  # chunked prefill: the 21-token prompt over three steps
+    dict(max_num_batched_tokens=8, block_size=4),  # chunked prefill: the 21-token prompt over three steps
     # 3 blocks: preemption (chunks of 16 admit all three prompts at once; their growth preempts)
     dict(kv_cache_memory_bytes=3 * 16 * 2048, max_model_len=48, max_num_batched_tokens=16),
     dict(batch_invariant=True),

@@ -21,13 +21,14 @@ from spmd_engine.core import kv_groups
 from spmd_engine.core.kv_cache_manager import KVCacheManager
 
 
-def _group_budget(path, full_blocks: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+def _group_budget(path, full_blocks: int, max_num_seqs: int, max_num_batched_tokens: int, tp: int = 1,
+                  layers: slice = slice(None)) -> int:
     """kv_cache_memory_bytes for `full_blocks` blocks of the full group, each group sized as the
-    workers size it (fp32, one rank)."""
+    workers size it (fp32), on a rank of `tp` holding `layers`."""
     cfg = json.loads((path / "config.json").read_text())
     from spmd_engine.model.spec import ModelSpec
-    windows = ModelSpec.from_hf_config(cfg, str(path)).layer_windows
-    per_layer = 2 * cfg["num_key_value_heads"] * cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"]) * 4
+    windows = ModelSpec.from_hf_config(cfg, str(path)).layer_windows[layers]
+    per_layer = 2 * cfg["num_key_value_heads"] // tp * cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"]) * 4
     shares = {w: per_layer * windows.count(w) for w in set(windows)}
     sc = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens).resolve(64, BLOCK)
     return kv_groups.bytes_held(full_blocks, BLOCK, shares, sc)
@@ -56,16 +57,24 @@ def test_the_sliding_group_frees_its_window_so_a_tight_budget_runs(qwen2_mixed, 
     assert kept["preemptions"] > 0
 
 
+LAYOUTS = {"uni": dict(), "mp-tp2pp2": dict(tensor_parallel_size=2, pipeline_parallel_size=2)}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_gemma3_chunked_prefix_hits_and_preemption_match_transformers(tmp_path):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gemma3_chunked_prefix_hits_and_preemption_match_transformers(tmp_path, layout):
+    """On mp TP2 x PP2 the first stage (a sliding and the full layer, half the KV heads) sets
+    the count; the second, sliding layers only, sizes its pools from it."""
     from gemma_checkpoint import WINDOW
     path = make_gemma3_checkpoint(tmp_path / "gemma3")
     prompts = _prompts((3, 13, 29, 22, 29))
     prompts[4] = prompts[2][:24] + prompts[4][:5]  # a hit past the window, then its own tokens
     assert min(len(p) for p in prompts[1:]) > WINDOW
     settings = dict(max_num_seqs=4, max_num_batched_tokens=8)
-    budget = _group_budget(path, 24, **settings)
-    outputs, stats = _run(path, prompts, rounds=2, kv_cache_memory_bytes=budget, **settings)
+    shape = dict(tp=2, layers=slice(0, 2)) if layout != "uni" else {}
+    budget = _group_budget(path, 24, **settings, **shape)
+    outputs, stats = _run(path, prompts, rounds=2, kv_cache_memory_bytes=budget, **settings, **LAYOUTS[layout])
+    assert stats["num_blocks"] == 24
     assert stats["preemptions"] > 0 and stats["prefix_hits_tokens"] > 0
     assert not (problems := _problems(_hf(path), prompts, outputs)), "\n".join(problems[:10])
