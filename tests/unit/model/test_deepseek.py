@@ -168,3 +168,11 @@ def test_v2_topk_methods_and_sparse_layers(checkpoints):
     spec = ModelSpec.from_hf_config({**cfg, "num_hidden_layers": 8, "first_k_dense_replace": 3,
                                      "moe_layer_freq": 2})
     assert [i for i in range(8) if spec.is_moe_layer(i)] == [4, 6]  # vLLM's rule: i >= k and i % freq == 0
+
+
+@pytest.mark.timeout(30)
+def test_lora_and_batch_invariant_modes_refused(checkpoints):
+    from spmd_engine.engine.arg_utils import EngineArgs
+    for flag in ("enable_lora", "batch_invariant"):
+        with pytest.raises(ConfigError, match="does not support multi-head latent attention"):
+            EngineArgs(model=str(checkpoints["v2"]), **{flag: True}).create_engine_config()
