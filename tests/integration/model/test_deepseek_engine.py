@@ -6,8 +6,9 @@ Greedy tokens and logprobs must equal transformers' teacher-forced ones, and the
 replay (`routed_experts`) the experts transformers' grouped routers pick. At uni the prompts
 are prefilled in chunks, the second round of rollouts hits the prefix cache of the first
 (tests/helpers/dist_scripts/routed_experts.py), and a KV cache of a few latent blocks forces
-preemption. Layouts (slow): mp TP 2 x PP 2, mp TP 2 + EP, torchrun TP 2 x DP 2 + EP (two
-external-DP replicas of two ranks).
+preemption. Slow: the compiled forward and async scheduling at uni; layouts mp TP 2 x PP 2,
+mp TP 2 + EP, mp DP 2 + EP (DP waves), torchrun TP 2 x DP 2 + EP (two external-DP replicas of
+two ranks).
 """
 
 from __future__ import annotations
@@ -110,6 +111,18 @@ def test_uni_logprobs_tokens_and_routing_equal_transformers(checkpoints, name):
     assert not problems, "\n".join(problems[:10])
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", [dict(enforce_eager=False), dict(async_scheduling=True)],
+                         ids=["compiled", "async-scheduling"])
+def test_modes_equal_transformers(checkpoints, mode):
+    path = checkpoints["v3"]
+    prompts = prompts_for(CONFIGS["v3"]["vocab_size"])
+    problems = check_against_hf(path, prompts, engine_outputs(path, prompts, **CHUNKED, **mode),
+                                cached_hf_model(path))
+    assert not problems, "\n".join(problems[:10])
+
+
 # ---- real processes -------------------------------------------------------------------------------
 
 LAUNCHES = {
@@ -117,6 +130,8 @@ LAUNCHES = {
                                     distributed_executor_backend="mp")),
     "v2-mp-tp2-ep": ("v2", 1, dict(tensor_parallel_size=2, enable_expert_parallel=True,
                                    distributed_executor_backend="mp")),
+    "v2-mp-dp2-ep": ("v2", 1, dict(data_parallel_size=2, enable_expert_parallel=True,
+                                   distributed_executor_backend="mp")),  # engine cores in DP waves
     "v3-torchrun-tp2-dp2-ep": ("v3", 4, dict(tensor_parallel_size=2, data_parallel_size=2,
                                              enable_expert_parallel=True,
                                              distributed_executor_backend="external_launcher")),
