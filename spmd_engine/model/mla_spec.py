@@ -50,6 +50,9 @@ class MlaSpec:
     def from_hf_config(cls, arch: str, cfg: Mapping[str, Any], source: str) -> "MlaSpec | None":
         if arch not in MLA_ARCHITECTURES:
             return None
+        if cfg.get("quantization_config"):  # DeepSeek-V3's FP8 release: its blocks and scales unread
+            raise ConfigError(f"{source}: 'quantization_config' is not supported for {arch} (convert the "
+                              f"checkpoint to bfloat16)")
         if cfg.get("attention_bias", False):
             raise ConfigError(f"{source}: 'attention_bias' true is not supported for {arch}")
         q_lora = cfg.get("q_lora_rank")

@@ -150,7 +150,8 @@ def test_kv_cache_holds_only_the_latent_and_the_rotary_key(checkpoints):
     ({"qk_rope_head_dim": 7}, "qk_rope_head_dim"),
     ({"routed_scaling_factor": -1.0}, "routed_scaling_factor"),
     ({"moe_layer_freq": 0}, "moe_layer_freq"),
-    ({"moe_layer_freq": 2}, "moe_layer_freq"),  # transformers ignores it, vLLM does not
+    ({"moe_layer_freq": 2}, "moe_layer_freq"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, "quantization_config"),  # transformers ignores it, vLLM does not
 ])
 def test_unsupported_config_values_are_one_line_errors_naming_the_key(checkpoints, change, key):
     cfg = {**hf_config(checkpoints["v3"]), **change}
