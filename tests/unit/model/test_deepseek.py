@@ -30,7 +30,7 @@ from spmd_engine.plan.rank_weights import RankModels
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("deepseek")
-    return {name: make_deepseek_checkpoint(root / name, name, seed=i) for i, name in enumerate(("v3", "v2"))}
+    return {name: make_deepseek_checkpoint(root / name, name, seed=i) for i, name in enumerate(("v3", "v2", "v2-greedy"))}
 
 
 def hf_config(path) -> dict:
@@ -90,7 +90,7 @@ def relative_error(ours: list[np.ndarray], ref: list[np.ndarray]) -> float:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("name", ["v3", "v2"])
+@pytest.mark.parametrize("name", ["v3", "v2", "v2-greedy"])
 def test_paged_forward_matches_transformers_logits(checkpoints, name, tmp_path):
     solo = SoloGroup()
     with torch.no_grad():
