@@ -188,3 +188,37 @@ def test_torchrun_tp2_dp2_matches_transformers(checkpoint, reference, tmp_path, 
     assert all(r["records"] == results[0]["records"] for r in results)
     problems = replay_problems(reference, results[0])
     assert not problems, "\n".join(problems[:10])
+
+
+# ---- per-rank slices of the all-experts tensors -----------------------------------------------------
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("ep", [False, True], ids=["tp", "ep"])
+def test_each_rank_reads_and_holds_its_slice_of_the_fused_experts(checkpoint, ep):
+    """Rank 1 of 2 reads experts 2-3 whole (EP) or half of every expert's width (TP) of HF's
+    [E, H, 2I] interleaved gate_up tensor, holds them as gate rows then up rows, and a trainer's
+    full tensors (update_weights) give the same parameters."""
+    from safetensors.torch import load_file
+    from test_moe import FakeGroup, bytes_read_per_tensor
+
+    from spmd_engine.model.loader import read_hf_config
+    from spmd_engine.model.models.llama import CausalLM
+    from spmd_engine.model.solo import SoloGroup
+    log = bytes_read_per_tensor(checkpoint, 2, 1, ep=ep)
+    full = 4 * 32 * 48 * 4  # 4 experts x hidden 32 x 2 * 24, float32
+    assert log["model.layers.0.mlp.experts.gate_up_proj"] == full // 2
+    state = load_file(str(checkpoint / "model.safetensors"))
+    loaded, updated = (CausalLM(read_hf_config(checkpoint), FakeGroup(2, 1), SoloGroup(), moe_group=FakeGroup(2, 1),
+                                expert_parallel=ep) for _ in range(2))
+    loaded.load_weights(lambda name: state[name])
+    updated.update_weights(state)
+    experts = loaded.model.layers["2"].mlp.experts
+    hf = state["model.layers.2.mlp.experts.gate_up_proj"]  # [E, H, 2I]
+    rows, cols = (slice(2, 4), slice(0, 24)) if ep else (slice(0, 4), slice(12, 24))
+    gate, up = hf[rows, :, 0::2][..., cols], hf[rows, :, 1::2][..., cols]
+    assert torch.equal(experts.w13_weight, torch.cat([gate, up], dim=-1).transpose(1, 2))
+    down_bias = state["model.layers.2.mlp.experts.down_proj_bias"][rows]
+    assert torch.equal(experts.w2_bias, down_bias)
+    assert (experts._down_bias() is None) != ep  # without EP rank 1 leaves the down bias to rank 0
+    for (name, a), (_, b) in zip(loaded.named_parameters(), updated.named_parameters()):
+        assert torch.equal(a, b), name
