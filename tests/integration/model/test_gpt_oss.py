@@ -58,6 +58,20 @@ def prompts() -> list[list[int]]:
     return out
 
 
+@pytest.mark.timeout(60)
+@torch.inference_mode()
+def test_model_forward_logits_match_transformers(checkpoint, reference):
+    """The model alone (no cache, one 20-token row past the window): fp32 logits equal."""
+    from spmd_engine.model.loader import load_model
+    from spmd_engine.model.solo import SoloGroup
+    model = load_model(checkpoint, SoloGroup(), SoloGroup(), dtype=torch.float32)
+    ids = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(20).expand(2, 20)
+    ours = model.compute_logits(model(ids, positions, None)["hidden_states"].reshape(40, -1)).view(2, 20, -1)
+    torch.testing.assert_close(ours, reference(ids).logits.float(), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_uni_matches_transformers(checkpoint, reference):
     problems = problems_against(reference, prompts(), engine_outputs(checkpoint, prompts()))
