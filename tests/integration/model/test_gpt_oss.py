@@ -1,5 +1,6 @@
 """gpt-oss (GptOssForCausalLM) against transformers' own model on a tiny random checkpoint
-with every feature on (tests/helpers/gpt_oss_checkpoint.py): greedy tokens equal and
+with every feature on (tests/helpers/gpt_oss_checkpoint.py). Quick: the model's forward logits
+(no cache) and each rank's slices of the fused expert tensors. Slow, the engine: greedy tokens equal and
 logprobs within fp32 tolerance (teacher-forced, test_hf_reference.py's check), prompts longer
 than the sliding window. Layouts: uni, TP 2 x PP 2, TP 2 with expert parallelism, DP 2 with
 EP (token dispatch), torchrun TP 2 x DP 2; batch-invariant mode;
