@@ -22,7 +22,6 @@ import json
 import pytest
 import torch
 from family_checkpoints import ORIGINAL_CONTEXT, olmo2_config, phi3_config, save_random
-from launch import REPO, run_torchrun
 from test_hf_reference import MAX_TOKENS, disagreements, hf_logprobs, hf_model
 
 from spmd_engine import LLM, SamplingParams
