@@ -20,7 +20,7 @@ from launch import REPO, run_torchrun
 from test_dense_families import FAMILIES, crossing_prompts, generate, generate_problems, problems_against, prompts
 from test_hf_reference import hf_model
 
-from spmd_engine import LLM
+from spmd_engine import LLM, SamplingParams
 
 sys.path.insert(0, str(REPO / "tests" / "helpers" / "dist_scripts"))
 from batch_invariant_layouts import workload  # noqa: E402
@@ -107,3 +107,22 @@ def test_olmo2_norm_over_the_whole_projection_at_tp2(checkpoints):
         assert (logits - ref).abs().max() < 1e-4
     for logits in wrong:
         assert (logits - ref).abs().max() > 1e-2
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("name", FAMILIES)
+def test_compiled_tp2_equals_eager(checkpoints, name):
+    """The compiled forward runs the families' decoder layers (OLMo 2's norm all-reduce is the
+    opaque op inside the graph) and gives eager's tokens."""
+    prompt_list = prompts() + crossing_prompts()
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    runs = []
+    for compiled in (False, True):
+        options = dict(enforce_eager=False, compilation_config={"level": 3, "min_tokens": 2}) if compiled \
+            else dict(enforce_eager=True)
+        with LLM(model=str(checkpoints[name]), tensor_parallel_size=2, **options) as llm:
+            runs.append([o.outputs[0].token_ids for o in llm.generate(
+                [{"prompt_token_ids": p} for p in prompt_list], params)])
+            graphs = llm.get_stats()[0]["runner"]["compiled_graphs"]
+        assert (graphs > 0) == compiled
+    assert runs[0] == runs[1]
