@@ -80,11 +80,12 @@ def test_batch_invariant_tp2_equals_tp1_bitwise(checkpoints, name):
     assert runs[0] == runs[1]
 
 
-def _tp2_logits(rank: int, world_size: int, path: str, per_rank_norm: bool) -> torch.Tensor:
+def _tp_logits(rank: int, world_size: int, path: str, per_rank_norm: bool,
+               batch_invariant: bool = False) -> torch.Tensor:
     from spmd_engine.model.layers.sharded_norm import ShardedRMSNorm
     from spmd_engine.model.loader import load_model
-    tp, _ = make_grid_groups(2, 1)
-    model = load_model(path, tp, SoloGroup(), dtype=torch.float32)
+    tp, _ = make_grid_groups(world_size, 1)
+    model = load_model(path, tp, SoloGroup(), dtype=torch.float32, batch_invariant=batch_invariant)
     if per_rank_norm:  # the bug the test must catch: each rank's heads normalised alone
         for module in model.modules():
             if isinstance(module, ShardedRMSNorm):
@@ -101,8 +102,8 @@ def test_olmo2_norm_over_the_whole_projection_at_tp2(checkpoints):
     path = str(checkpoints["olmo2"])
     with torch.no_grad():
         ref = hf_model(checkpoints["olmo2"])(torch.arange(3, 40).remainder(131)[None]).logits[0]
-    right = run_distributed(_tp2_logits, 2, path, False, timeout=120)
-    wrong = run_distributed(_tp2_logits, 2, path, True, timeout=120)
+    right = run_distributed(_tp_logits, 2, path, False, timeout=120)
+    wrong = run_distributed(_tp_logits, 2, path, True, timeout=120)
     for logits in right:
         assert (logits - ref).abs().max() < 1e-4
     for logits in wrong:
@@ -126,3 +127,17 @@ def test_compiled_tp2_equals_eager(checkpoints, name):
             graphs = llm.get_stats()[0]["runner"]["compiled_graphs"]
         assert (graphs > 0) == compiled
     assert runs[0] == runs[1]
+
+
+@pytest.mark.timeout(240)
+def test_olmo2_norm_with_replicated_kv_heads_at_tp4(checkpoints):
+    """TP 4 over 2 KV heads: each k head on two ranks. Its squares count once in the mean, in
+    the all-reduce form and in batch-invariant mode, which also gives TP 1's bits."""
+    path = str(checkpoints["olmo2"])
+    with torch.no_grad():
+        ref = hf_model(checkpoints["olmo2"])(torch.arange(3, 40).remainder(131)[None]).logits[0]
+    for batch_invariant in (False, True):
+        for logits in run_distributed(_tp_logits, 4, path, False, batch_invariant, timeout=200):
+            assert (logits - ref).abs().max() < 1e-4, batch_invariant
+    solo = run_distributed(_tp_logits, 1, path, False, True, timeout=100)[0]
+    assert torch.equal(logits, solo)
