@@ -155,7 +155,7 @@ class AttentionMetadata:
     row_start: list[int]  # where each request's tokens start in the packed step, by scheduler row
     query_lens: list[int]
     tiles: InvariantTiles | None = None  # batch-invariant mode: the one attention recipe
-    prompt_lens: list[int] | None = None  # by scheduler row, set by the runner: longrope's switch reads it
+    known_lens: list[int] | None = None  # by scheduler row, a request's tokens before the step (longrope.py)
     _decode: list = field(default_factory=list, repr=False, compare=False)
 
     def decode_step(self) -> DecodeStep | None:

@@ -9,7 +9,10 @@ only its stage: stage 0 owns the embedding, the last stage the final norm and
 the LM head (for tied embeddings the last stage loads the embedding matrix as
 its head), and every stage owns its layers' TP shards. Parameter names match
 HF checkpoints except the fused `qkv_proj` / `gate_up_proj`, which
-`checkpoint_tensors` (model/weights.py) maps back to the separate HF tensors.
+`checkpoint_tensors` (model/weights.py) maps back to the separate HF tensors
+(or reads whole, for checkpoints that store them fused: Phi-3). Families
+whose layers differ subclass what differs (models/phi3.py, models/olmo2.py:
+`decoder_layer`, `norm_class`, `LlamaAttention.norm_qk`).
 """
 
 from __future__ import annotations
