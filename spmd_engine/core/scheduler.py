@@ -219,6 +219,11 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     # -- results --------------------------------------------------------------------
+    # Set by the engine for a model whose cached keys go stale as a request grows (Phi-3's
+    # longrope, model/layers/longrope.py): called with a request just given a token; True: its
+    # KV is recomputed from the start.
+    stale_cache = None
+
     def update_from_output(self, out: SchedulerOutput, model_output: ModelRunnerOutput) -> list[Request]:
         """Append each sampled token; return the requests that finished this step."""
         sampling = [s.request_id for s in out.seqs if s.sample]
@@ -254,6 +259,9 @@ class Scheduler:
             if reason:
                 request.finish_reason = reason
                 finished.append(request)
+            elif self.stale_cache is not None and self.stale_cache(request):
+                self.running.remove(request)
+                self._preempt(request)  # recomputed from its first token when next admitted
         for request in finished:
             self.finish_request(request)
         return finished

@@ -149,6 +149,9 @@ class EngineArgs(_EngineArgFields):
         check_routed_experts(model_config, spec, source)
         if model_config.batch_invariant:
             check_batch_invariant(spec, parallel, source)
+        if self.enable_lora is True and spec.mla is not None:
+            raise ConfigError(f"{source}: enable_lora does not support multi-head latent attention "
+                              f"({spec.architecture})")
         partition = self.pp_partition or envs.pp_partition()
         if partition:
             parse_pp_partition(partition, spec.num_layers, parallel.pipeline_parallel_size)

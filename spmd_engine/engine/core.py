@@ -56,6 +56,9 @@ class EngineCore:
         from spmd_engine.engine.lora_adapters import LoRAAdapters
         self.loras = LoRAAdapters(lora, _lora_spec(config) if lora else None, self.executor)
         self._rope_scaling = _rope_scaling(config)  # longrope's prompts past the original context cache apart
+        if self._rope_scaling and self._rope_scaling.get("rope_type") == "longrope":
+            from spmd_engine.model.layers.longrope import LongRopeSwitch
+            self.scheduler.stale_cache = LongRopeSwitch(self._rope_scaling)
         self.stop_strings = StopStringWatcher(config.model_config.model_dir)
         self.structured = StructuredOutputManager(config.model_config.model_dir, sorted(self.scheduler.eos_token_ids))
         self.dp_waves = config.dp_waves and config.parallel_config.data_parallel_size > 1

@@ -32,6 +32,7 @@ import functools
 import logging
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -82,11 +83,22 @@ def write_rows(packed: torch.Tensor, start: int, src: torch.Tensor) -> None:
     p = packed.shape[3]
     first, end = start // 16, -(-(start + n) // 16)
     if start % 16 == 0 and n % 16 == 0:
-        packed[first:end].copy_(src.unflatten(0, (n // 16, 16)).unflatten(2, (k // p, p)).transpose(1, 2))
+        if src.dtype != packed.dtype or src.stride(-1) != 1:
+            src = src.to(packed.dtype).contiguous()
+        # As 4-byte words (a bf16 pair is one), the layout is a transpose of each block of 16
+        # rows, which numpy copies on this thread alone: torch's copy_ would fan it out to
+        # intra-op threads that a loaded machine (or a transfer receiving beside it) starves.
+        lines = _words(packed[first:end]).reshape(end - first, k // p, 16)
+        np.copyto(lines, _words(src).reshape(n // 16, 16, k // p).transpose(0, 2, 1))
         return
     block = unpack(packed[first:end])
     block[start - first * 16:start - first * 16 + n].copy_(src)
     packed[first:end].copy_(pack(block))
+
+
+def _words(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor whose last dimension is contiguous, as numpy 4-byte words (bf16 in pairs)."""
+    return t.detach().view(torch.int32).numpy()
 
 
 def dense_shape(packed: torch.Tensor) -> tuple[int, int]:

@@ -1,8 +1,8 @@
 """DeepSeek-V2 / V3's config.json read the way transformers' models read it.
 
 Two parts differ from the Llama family: the attention (multi-head latent attention, MlaSpec)
-and the router (GroupedTopK, with the sparse layers after `first_k_dense_replace` dense ones,
-every `moe_layer_freq`-th, and always-on shared experts without a gate). spec.py calls
+and the router (GroupedTopK, with every layer after the `first_k_dense_replace` dense ones
+sparse, and always-on shared experts without a gate). spec.py calls
 `MlaSpec.from_hf_config` and `deepseek_moe_fields` for these architectures only; every value
 we would read otherwise than transformers (or cannot run) is a one-line ConfigError naming
 the key.
@@ -50,6 +50,9 @@ class MlaSpec:
     def from_hf_config(cls, arch: str, cfg: Mapping[str, Any], source: str) -> "MlaSpec | None":
         if arch not in MLA_ARCHITECTURES:
             return None
+        if cfg.get("quantization_config"):  # DeepSeek-V3's FP8 release: its blocks and scales unread
+            raise ConfigError(f"{source}: 'quantization_config' is not supported for {arch} (convert the "
+                              f"checkpoint to bfloat16)")
         if cfg.get("attention_bias", False):
             raise ConfigError(f"{source}: 'attention_bias' true is not supported for {arch}")
         q_lora = cfg.get("q_lora_rank")
@@ -119,7 +122,10 @@ def deepseek_moe_fields(arch: str, cfg: Mapping[str, Any], source: str) -> dict[
     if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not 0 < scaling < float("inf"):
         raise ConfigError(f"{source}: 'routed_scaling_factor' must be a positive number, got {scaling!r}")
     first_dense = _positive_int(cfg, "first_k_dense_replace", source, default=3 if v3 else 0, minimum=0)
-    freq = _positive_int(cfg, "moe_layer_freq", source, default=1)
+    if _positive_int(cfg, "moe_layer_freq", source, default=1) != 1:
+        # transformers makes every layer after the dense ones sparse; DeepSeek's own code and
+        # vLLM only every moe_layer_freq-th: the two agree only at 1 (every released config).
+        raise ConfigError(f"{source}: 'moe_layer_freq' {cfg['moe_layer_freq']!r} is not supported (only 1)")
     layers = cfg.get("num_hidden_layers") if isinstance(cfg.get("num_hidden_layers"), int) else 0
     grouped = GroupedTopK(scoring="sigmoid" if v3 else "softmax", num_groups=groups, topk_groups=kept,
                           group_score="top2_sum" if v3 else "max", masked_score=float("-inf") if v3 else 0.0,
@@ -127,5 +133,5 @@ def deepseek_moe_fields(arch: str, cfg: Mapping[str, Any], source: str) -> dict[
                           scaling_factor=float(scaling))
     return dict(num_experts=experts, top_k=top_k, expert_intermediate_size=width, renormalize=grouped.renormalize,
                 weights_in_activation_dtype=False, shared_expert_intermediate_size=shared * width, sparse_step=1,
-                mlp_only_layers=tuple(i for i in range(layers) if i < first_dense or i % freq),
+                mlp_only_layers=tuple(range(min(first_dense, layers))),
                 checkpoint_style="deepseek", grouped=grouped, shared_expert_gated=False)

@@ -49,6 +49,7 @@ class ModelRunner:
         self.block_tables: dict[str, list[int]] = {}  # a tuple of one per group with kv_windows
         self.kv_windows: tuple = ()  # the KV groups' windows, set with the model (core/kv_groups.py)
         self.prompt_lens: dict[str, int] = {}
+        self.known_lens: dict[str, int] = {}  # prompt + sampled tokens, by request (longrope.py reads it)
         # Async scheduling: each request's last sampled token, the input a step scheduled while
         # that token's step was in flight asks for (PLACEHOLDER_TOKEN_ID).
         self.async_scheduling = config.scheduler_config.async_scheduling
@@ -217,6 +218,7 @@ class ModelRunner:
             self.sampler.remove_request(rid)
             self.block_tables.pop(rid, None)
             self.prompt_lens.pop(rid, None)
+            self.known_lens.pop(rid, None)
             self.last_sampled.pop(rid, None)
             self.lora_of.pop(rid, None)
         for new in out.new_requests:
@@ -440,7 +442,10 @@ class ModelRunner:
         else:
             attn = AttentionMetadata.build(context, lens, tables, self.block_size, self.device,
                                            invariant=self.batch_invariant)
-        attn.prompt_lens = [self.prompt_lens.get(s.request_id, 0) for s in out.seqs]
+        attn.known_lens = [max(self.prompt_lens.get(s.request_id, 0), self.known_lens.get(s.request_id, 0))
+                           for s in out.seqs]
+        for s, known in zip(out.seqs, attn.known_lens):  # a sampled token makes the request one longer
+            self.known_lens[s.request_id] = max(known, s.context_len + len(s.token_ids) + s.sample)
         ids = attn.pack([s.token_ids for s in out.seqs])
         # The last token of each sampling request, in schedule order, wherever packing put it;
         # None when that is every row in order (a decode step): no gather.

@@ -23,6 +23,8 @@ CONFIGS = {
                rope_parameters=YARN),
     "v3-plainrope": dict(COMMON, q_lora_rank=48, norm_topk_prob=False, routed_scaling_factor=1.5,
                          rope_interleave=False),
+    "v2-greedy": dict(COMMON, q_lora_rank=None, topk_method="greedy", n_group=1, topk_group=1,
+                      routed_scaling_factor=1.0),  # V2-Lite's router: one group
     "v2": dict(COMMON, q_lora_rank=None, topk_method="group_limited_greedy", routed_scaling_factor=1.5,
                rope_parameters=dict(YARN, mscale_all_dim=1.0, factor=2.0)),
 }
@@ -33,7 +35,7 @@ def make_deepseek_checkpoint(out_dir: Path, name: str, seed: int = 0) -> Path:
     biases of the scores' size) to `out_dir` in float32; returns it."""
     transformers = require_reference("transformers")
     cfg = dict(CONFIGS[name])
-    config_cls, model_cls = ((transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM) if name == "v2"
+    config_cls, model_cls = ((transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM) if name.startswith("v2")
                              else (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM))
     config = config_cls(**cfg)
     gen = torch.Generator().manual_seed(seed)

@@ -176,7 +176,7 @@ def pack(bucket: torch.Tensor, pieces: list[Piece] | tuple[Piece, ...], tensors:
 
 class Unpacker:
     """Turns buckets back into tensors: `feed(k, bucket)` returns the (name, tensor) pairs that
-    bucket completes. A tensor wholly inside a bucket is a view of it (valid until the bucket is
+    bucket (or one of its segments) completes. A tensor wholly inside a bucket is a view of it (valid until the bucket is
     reused: apply it first); one that spans buckets is assembled in a buffer of its own, either
     received there directly (`destination`) or copied there from the bucket by `feed`."""
 
@@ -203,9 +203,10 @@ class Unpacker:
             buf = self._partial[index] = torch.empty(self.sizes[index], dtype=torch.uint8, device=self.device)
         return buf
 
-    def feed(self, k: int, bucket: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    def feed(self, k: int, bucket: torch.Tensor, pieces=None) -> list[tuple[str, torch.Tensor]]:
+        """`pieces`: only these of bucket k (a segment that has arrived), in stream order."""
         out = []
-        for p in self.plan[k]:
+        for p in self.plan[k] if pieces is None else pieces:
             if p.length == self.sizes[p.index]:
                 raw = bucket[p.bucket_offset:p.bucket_offset + p.length]
             else:

@@ -27,6 +27,7 @@ class WeightReceiver:
         store = join_store(info.master_address, info.master_port, info.timeout_s)
         self.group = TransferGroup(store, rank, info.world_size, info.timeout_s, dev)
         self.device = device
+        self._kept: list[torch.Tensor] = []
 
     @property
     def failed(self) -> str | None:
@@ -50,9 +51,9 @@ class WeightReceiver:
         failure: str | None = None
         applied = 0
 
-        def consume(k: int, bucket: torch.Tensor) -> str | None:
+        def consume(k: int, bucket: torch.Tensor, pieces=None) -> str | None:
             nonlocal failure, applied
-            pairs = unpack.feed(k, bucket)
+            pairs = unpack.feed(k, bucket, pieces)
             if failure is None and pairs:
                 try:
                     update.apply(pairs)
@@ -66,6 +67,7 @@ class WeightReceiver:
             else:
                 self._from_group(manifest, unpack, consume)
         except BaseException:
+            self._kept = []  # a broadcast may still be writing into them
             _close(update)  # the stream's error is the one to report
             raise
         finally:
@@ -79,10 +81,10 @@ class WeightReceiver:
 
     def _from_group(self, manifest: Manifest, unpack: Unpacker, consume) -> None:
         """Each bucket's segments broadcast into one of two buffers (or a spanning tensor's own
-        buffer): bucket k+1 arrives while bucket k is applied."""
+        buffer): each segment is applied as soon as it has arrived, while the rest of its bucket
+        and the next bucket arrive, so only the last segment's copy-out follows the stream."""
         plan = unpack.plan
-        buffers = [torch.empty(manifest.bucket_bytes, dtype=torch.uint8, device=self.group.device)
-                   for _ in range(min(2, len(plan)))]
+        buffers = self._buffers(manifest.bucket_bytes, min(2, len(plan)))
 
         def post(k: int) -> list:
             return [self.group.broadcast_async(unpack.destination(seg, buffers[k % 2]), f"bucket {k}")
@@ -91,9 +93,17 @@ class WeightReceiver:
         for k in range(len(plan)):
             if k + 1 < len(plan):
                 works.append(post(k + 1))
-            for work in works[k]:
+            for seg, work in zip(unpack.segments[k], works[k]):
                 self.group.wait(work, f"bucket {k}")
-            consume(k, buffers[k % 2])
+                consume(k, buffers[k % 2], seg.pieces)
+
+    def _buffers(self, nbytes: int, count: int) -> list[torch.Tensor]:
+        """The two receive buffers, kept from one update to the next while the bucket size stays:
+        an RL loop pushes every step, and fresh buffers would fault in every page each time. They
+        are freed by close (shutdown_weight_transfer_engine) and after a stream that broke."""
+        if len(self._kept) < count or any(b.numel() != nbytes for b in self._kept):
+            self._kept = [torch.empty(nbytes, dtype=torch.uint8, device=self.group.device) for _ in range(count)]
+        return self._kept[:count]
 
     def _from_shared(self, segment, unpack: Unpacker, consume) -> None:
         """The ipc backend: the trainer fills the shared segment bucket by bucket, announcing
@@ -111,6 +121,7 @@ class WeightReceiver:
         del shared
 
     def close(self) -> None:
+        self._kept = []
         group, self.group = self.group, None
         if group is not None:
             group.close()

@@ -155,7 +155,7 @@ class AttentionMetadata:
     row_start: list[int]  # where each request's tokens start in the packed step, by scheduler row
     query_lens: list[int]
     tiles: InvariantTiles | None = None  # batch-invariant mode: the one attention recipe
-    prompt_lens: list[int] | None = None  # by scheduler row, set by the runner: longrope's switch reads it
+    known_lens: list[int] | None = None  # by scheduler row, a request's tokens before the step (longrope.py)
     # A KV cache of several groups (core/kv_groups.py): each group's own metadata (its block
     # tables and slots) by the window of its layers; each layer takes its group's (`for_window`).
     by_window: dict | None = None

@@ -2,17 +2,20 @@
 
 Two sets of per-frequency divisors: `short_factor` for sequences that fit the pretraining
 context (`original_max_position_embeddings`), `long_factor` beyond it, and one attention
-factor that scales cos and sin alike. transformers picks the set for each forward from that
-forward's longest position: a prompt longer than the original context is rotated with the
-long set throughout, a shorter one with the short set, and each later decode token with the
-long set once its position passes the original context (the cached keys keep the rotation
-they were written with). So a token at position p of a request with an L-token prompt turns
-with the long set exactly when max(p + 1, L) > original: the same for a whole prompt, its
-chunks, or its recompute after preemption. The runner puts each request's prompt length in
-the step's metadata (`AttentionMetadata.prompt_lens`); without it (a hand-built step, a
-trainer's forward) a row counts as a whole sequence, as transformers does. A prompt's keys
-therefore depend on whether L > original: `prefix_cache_root` gives such prompts a prefix
-cache of their own.
+factor that scales cos and sin alike. transformers' Phi-3 picks the set for each forward from
+that forward's sequence length, and its `generate` recomputes the whole cache when a sequence
+first grows past the original context, so a request's keys are always all of one set: the
+short one while it holds at most `original` tokens, the long one from then on.
+
+Here the same holds. A request's set follows its length before the step (prompt plus the
+tokens sampled so far, `AttentionMetadata.known_lens`, kept by the runner), or the step's own
+end where that is longer: the same for a whole prompt, its chunks, or its recompute after
+preemption. `LongRopeSwitch` (the scheduler's `stale_cache` hook) sends a request back to be
+recomputed when its sampled token takes it past the original context, and moves its
+prefix-cache hashes to a root of their own, as `prefix_cache_root` does for prompts that
+start past it: short-set and long-set blocks of the same tokens never meet. Without
+`known_lens` (a hand-built step, a trainer's forward) a row counts as a whole sequence, as
+transformers' forward does.
 """
 
 from __future__ import annotations
@@ -56,6 +59,22 @@ def prefix_cache_root(root: bytes | None, scaling: Mapping[str, Any] | None, num
     return hashlib.sha256((root or b"") + b"longrope:long").digest()
 
 
+class LongRopeSwitch:
+    """The scheduler's `stale_cache` hook: True, once, when a request whose prompt fit the
+    original context has just grown past it (its cached keys turned with the short set)."""
+
+    def __init__(self, scaling: Mapping[str, Any]):
+        self.scaling = scaling
+        self.original = int(scaling["original_max_position_embeddings"])
+
+    def __call__(self, request) -> bool:
+        if request.num_tokens != self.original + 1 or request.num_prompt_tokens > self.original:
+            return False
+        request.cache_root = prefix_cache_root(request.cache_root, self.scaling, request.num_tokens)
+        request.block_hashes.clear()  # chained from the old root
+        return True
+
+
 class LongRopeEmbedding(RotaryEmbedding):
     def __init__(self, head_dim: int, theta: float, scaling: Mapping[str, Any], rotary_dim: int | None = None):
         super().__init__(head_dim, theta, None, rotary_dim=rotary_dim)
@@ -75,16 +94,17 @@ class LongRopeEmbedding(RotaryEmbedding):
 
 
 def _sequence_lengths(positions: torch.Tensor, attn) -> torch.Tensor:
-    """Per token, the length transformers would compare with the original context: max(p + 1,
-    its request's prompt length). A row whose prompt length is unknown counts as a sequence
-    ending at its last token; a decode-graph step (a tuple) holds decodes only: p + 1."""
+    """Per token, the length transformers would compare with the original context: its
+    request's known length, or p + 1 where longer. A row whose known length is not given
+    counts as a sequence ending at its last token; a decode-graph step (a tuple) holds
+    decodes only: p + 1."""
     if attn is None:  # [B, T] rows (or [T]) without a cache: each row one whole forward
         return (positions.amax(dim=-1, keepdim=True) + 1).expand_as(positions)
     if isinstance(attn, tuple):
         return positions + 1
     rows = attn.row_order
     lens = [attn.query_lens[r] for r in rows]
-    known = getattr(attn, "prompt_lens", None)
+    known = getattr(attn, "known_lens", None)
     if known is not None:
         floor = torch.tensor([known[r] for r in rows], device=positions.device)
     else:  # each row's own end

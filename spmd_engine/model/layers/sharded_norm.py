@@ -55,7 +55,8 @@ class ShardedRMSNorm(nn.Module):
         return bi.row_sum(heads[..., ::copies, :].flatten(-2)).unsqueeze(-1)
 
     def scale(self, x32: torch.Tensor, square_sum: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        mean = square_sum / (self.tp_size * self.local_size)
+        # All-reduced sums count each replicated head as often as it is held; `total`'s once.
+        mean = square_sum / (self.full_size if self.batch_invariant else self.tp_size * self.local_size)
         rsqrt = bi.pointwise(torch.rsqrt, mean + self.eps) if self.batch_invariant else torch.rsqrt(mean + self.eps)
         return (self.weight * (x32 * rsqrt)).to(dtype)
 

@@ -9,7 +9,12 @@ only its stage: stage 0 owns the embedding, the last stage the final norm and
 the LM head (for tied embeddings the last stage loads the embedding matrix as
 its head), and every stage owns its layers' TP shards. Parameter names match
 HF checkpoints except the fused `qkv_proj` / `gate_up_proj`, which
-`checkpoint_tensors` (model/weights.py) maps back to the separate HF tensors.
+`checkpoint_tensors` (model/weights.py) maps back to the separate HF tensors
+(or reads whole, for checkpoints that store them fused: Phi-3). Families
+whose layers differ subclass what differs and name it in a class attribute
+(`CausalLM.model_class`, `LlamaModel.decoder_layer` / `norm_class` / `embedding` /
+`rotary`, `LlamaDecoderLayer.attention_class`, `LlamaAttention.norm_qk`: models/gemma3.py,
+olmo2.py, deepseek.py).
 """
 
 from __future__ import annotations
@@ -119,8 +124,7 @@ class LlamaModel(nn.Module):
     norm_class = RMSNorm
 
     def __init__(self, spec: ModelSpec, tp_group, layer_range: tuple[int, int], first: bool, last: bool,
-                 dtype: torch.dtype, moe: dict | None = None, layer_cls: type = LlamaDecoderLayer,
-                 norm_cls: type = RMSNorm):
+                 dtype: torch.dtype, moe: dict | None = None):
         super().__init__()
         self.embed_tokens = (self.embedding(spec.vocab_size, spec.hidden_size, tp_group, dtype=dtype)
                              if first else None)

@@ -1,8 +1,9 @@
 """The generator job of the weight-transfer tests.
 
-`push TP PP DP BACKEND PORT WORLD OUT` (under torchrun, external_launcher, batch-invariant):
-join the trainer's group, take one update as version "v3", write each rank's greedy tokens and
-logprobs to OUT/rank{r}.json.
+`push TP PP DP BACKEND PORT WORLD OUT [EXECUTOR]` (batch-invariant; under torchrun with the
+default external_launcher, or one process whose "mp" executor spawns the ranks): join the
+trainer's group, take one update as version "v3", write each rank's greedy tokens and logprobs
+to OUT/rank{r}.json (the mp engine's driver writes rank0.json).
 
 `faults PORT_A OUT` (one uni engine): trainer A (another process, stalled, SIGKILLed by the
 test) breaks an update; a trainer thread that hangs past timeout_s; a second trainer on a
@@ -46,10 +47,10 @@ def records(outs):
             for o in outs]
 
 
-def push(tp, pp, dp, backend, port, world, out):
-    rank = int(os.environ["RANK"])
+def push(tp, pp, dp, backend, port, world, out, executor="external_launcher"):
+    rank = int(os.environ.get("RANK", "0"))
     with LLM(model=BUNDLED, tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
-             distributed_executor_backend="external_launcher", batch_invariant=True, seed=0, max_model_len=128,
+             distributed_executor_backend=executor, batch_invariant=True, seed=0, max_model_len=128,
              weight_transfer_config={"backend": backend}) as llm:
         llm.init_weight_transfer_engine({"init_info": {"master_address": "127.0.0.1", "master_port": port,
                                                        "world_size": world, "rank_offset": 1, "timeout_s": 60}})
@@ -176,6 +177,6 @@ def faults(port_a, out):
 if __name__ == "__main__":
     if sys.argv[1] == "push":
         a = sys.argv[2:]
-        push(int(a[0]), int(a[1]), int(a[2]), a[3], int(a[4]), int(a[5]), a[6])
+        push(int(a[0]), int(a[1]), int(a[2]), a[3], int(a[4]), int(a[5]), a[6], *a[7:])
     else:
         faults(int(sys.argv[2]), sys.argv[3])

@@ -34,7 +34,8 @@ if __name__ == "__main__":
         dist.init_process_group("gloo")  # the trainer's own world: untouched by the transfer
     weights = trainer_weights(3)
     if rank == 0:
-        info = {"master_address": "127.0.0.1", "master_port": port, "world_size": world, "timeout_s": 30,
+        info = {"master_address": "127.0.0.1", "master_port": port, "world_size": world,
+                "timeout_s": 150 if mode == "push" else 30,  # push: the generator job may start slowly on a busy host
                 "packed_buffer_size_bytes": (1 << 20) if mode == "push" else 4096}
         sender = trainer_engine(backend).trainer_init(info)
         sys.stdout.write(f"trainer connected to {world - 1} engine ranks\n")

@@ -5,7 +5,8 @@ external_launcher, batch-invariant) run at the same time on this host: after
 finish_weight_update("v3") every generator rank's greedy tokens and logprobs must equal, bit
 for bit, a fresh engine loaded from the checkpoint the trainer wrote of exactly what it sent
 (batch-invariant mode makes TP2 / PP2 / DP2 equal to uni). Layouts: TP2 x DP2 ("nccl", gloo on
-CPU), TP2 x PP2 ("ipc", shared memory), and two torchrun agents standing for two nodes.
+CPU), TP2 x PP2 ("ipc", shared memory), two torchrun agents standing for two nodes, and a TP2
+generator whose mp executor spawns its workers.
 
 Faults, one uni generator: a trainer SIGKILLed mid-stream, a trainer hanging past timeout_s, a
 second trainer on a taken endpoint, an init while connected, a wrong shape and a wrong dtype
@@ -51,7 +52,8 @@ def reference(ckpt) -> list[dict]:
         return records(llm.generate(PROMPTS, GREEDY))
 
 
-def run_pair(tmp_path, backend: str, tp: int, pp: int, dp: int, nnodes: int = 1) -> Launch:
+def run_pair(tmp_path, backend: str, tp: int, pp: int, dp: int, nnodes: int = 1, mp: bool = False) -> Launch:
+    """`mp`: the generator is one process whose mp executor spawns its ranks (its driver reports)."""
     port, ckpt, out = free_port(), tmp_path / "pushed", tmp_path / "out"
     out.mkdir()
     engine_world = tp * pp * dp * (2 if nnodes == 2 else 1)
@@ -59,7 +61,9 @@ def run_pair(tmp_path, backend: str, tp: int, pp: int, dp: int, nnodes: int = 1)
     tag = uuid.uuid4().hex[:12]
     cmds = [torchrun(2, [SCRIPTS / "wt_trainer.py", "push", port, world, backend, ckpt], tag=tag + "t")]
     gen = [SCRIPTS / "wt_generator.py", "push", tp, pp, dp, backend, port, world, out]
-    if nnodes == 1:
+    if mp:
+        cmds.append([PYTHON] + [str(a) for a in gen + ["mp"]])
+    elif nnodes == 1:
         cmds.append(torchrun(engine_world, gen, tag=tag + "g"))
     else:
         agents_port = free_port()
@@ -69,7 +73,7 @@ def run_pair(tmp_path, backend: str, tp: int, pp: int, dp: int, nnodes: int = 1)
     assert launch.returncode == 0 and not launch.leftover_pids, launch.describe()
     assert transfer_segments() <= before, transfer_segments() - before
     expected = [{k: v for k, v in o.items() if k != "version"} for o in reference(ckpt)]
-    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(engine_world)]
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(1 if mp else engine_world)]
     for r in results:
         assert r["version"] == "v3", r["rank"]
         assert [o["version"] for o in r["outs"]] == ["v3"] * len(expected)
@@ -92,6 +96,14 @@ def test_tp2_pp2_generator_over_shared_memory(tmp_path):
 def test_replicas_on_two_agents_stand_for_two_nodes(tmp_path):
     """Two torchrun agents of 2 ranks each, TP2: two external-DP replicas, both receive."""
     run_pair(tmp_path, "nccl", tp=2, pp=1, dp=1, nnodes=2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_an_mp_executor_generator_receives_in_the_workers_it_spawned(tmp_path):
+    """One generator process, TP2 through the mp executor: the push reaches its spawned workers
+    (collective RPCs into each), and the driver serves the pushed weights under the new version."""
+    run_pair(tmp_path, "nccl", tp=2, pp=1, dp=1, mp=True)
 
 
 @pytest.mark.timeout(200)

@@ -6,8 +6,9 @@ Greedy tokens and logprobs must equal transformers' teacher-forced ones, and the
 replay (`routed_experts`) the experts transformers' grouped routers pick. At uni the prompts
 are prefilled in chunks, the second round of rollouts hits the prefix cache of the first
 (tests/helpers/dist_scripts/routed_experts.py), and a KV cache of a few latent blocks forces
-preemption. Layouts (slow): mp TP 2 x PP 2, mp TP 2 + EP, torchrun TP 2 x DP 2 + EP (two
-external-DP replicas of two ranks).
+preemption. Slow: the compiled forward and async scheduling at uni; layouts mp TP 2 x PP 2,
+mp TP 2 + EP, mp DP 2 + EP (DP waves), torchrun TP 2 x DP 2 + EP (two external-DP replicas of
+two ranks).
 """
 
 from __future__ import annotations
@@ -22,9 +23,12 @@ from deepseek_checkpoint import CONFIGS, make_deepseek_checkpoint
 from dist_scripts.routed_experts import rounds
 from launch import REPO, run_ranks_with_env, run_torchrun
 from test_hf_reference import TIE_MARGIN, engine_outputs, hf_model, prompts_for
-from test_moe import check_against_hf
+from test_moe import CountingSlice, FakeGroup, check_against_hf
 
 from spmd_engine import LLM
+from spmd_engine.model.loader import checkpoint_files, read_hf_config
+from spmd_engine.model.models.deepseek import DeepseekForCausalLM
+from spmd_engine.model.solo import SoloGroup
 
 BLOCK = 8
 CHUNKED = dict(block_size=BLOCK, max_num_batched_tokens=8)  # the 17-token prompt prefilled in three steps
@@ -110,6 +114,51 @@ def test_uni_logprobs_tokens_and_routing_equal_transformers(checkpoints, name):
     assert not problems, "\n".join(problems[:10])
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", [dict(enforce_eager=False), dict(async_scheduling=True)],
+                         ids=["compiled", "async-scheduling"])
+def test_modes_equal_transformers(checkpoints, mode):
+    path = checkpoints["v3"]
+    prompts = prompts_for(CONFIGS["v3"]["vocab_size"])
+    problems = check_against_hf(path, prompts, engine_outputs(path, prompts, **CHUNKED, **mode),
+                                cached_hf_model(path))
+    assert not problems, "\n".join(problems[:10])
+
+
+def bytes_read_per_tensor(path, tp_size: int, tp_rank: int, ep: bool) -> dict[str, int]:
+    from safetensors import safe_open
+    files, log, group = checkpoint_files(path), {}, FakeGroup(tp_size, tp_rank)
+    model = DeepseekForCausalLM(read_hf_config(path), group, SoloGroup(), moe_group=group, expert_parallel=ep)
+
+    def fetch(name):
+        with safe_open(str(files[name]), framework="pt") as handle:
+            return CountingSlice(handle.get_slice(name), name, log)
+    model.load_weights(fetch)
+    return log
+
+
+@pytest.mark.timeout(60)
+def test_each_rank_reads_its_experts_and_heads_and_the_whole_latent_projections(checkpoints):
+    path, c = checkpoints["v3"], CONFIGS["v3"]
+    h, heads = c["hidden_size"], c["num_attention_heads"]
+    per_expert = 3 * c["moe_intermediate_size"] * h * 4
+    for rank in (0, 1):
+        log = bytes_read_per_tensor(path, 2, rank, ep=True)
+        experts = {int(n.split(".experts.")[1].split(".")[0]) for n in log if ".experts." in n}
+        assert experts == set(range(4 * rank, 4 * rank + 4))
+        assert sum(v for n, v in log.items() if ".experts." in n) == 2 * 4 * per_expert  # layers 2, 3
+        attn = "model.layers.0.self_attn."
+        # kv_a (latent + rotary key) and q_a whole on every rank; kv_b, q_b and o_proj by heads.
+        assert log[attn + "kv_a_proj_with_mqa.weight"] == (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * h * 4
+        assert log[attn + "q_a_proj.weight"] == c["q_lora_rank"] * h * 4
+        assert log[attn + "kv_b_proj.weight"] == (heads // 2) * (c["qk_nope_head_dim"] + c["v_head_dim"]) \
+            * c["kv_lora_rank"] * 4
+        assert log[attn + "o_proj.weight"] == h * (heads // 2) * c["v_head_dim"] * 4
+    tp_log = bytes_read_per_tensor(path, 2, 1, ep=False)  # without EP: half of every expert
+    assert sum(v for n, v in tp_log.items() if ".experts." in n) == 2 * 8 * per_expert // 2
+
+
 # ---- real processes -------------------------------------------------------------------------------
 
 LAUNCHES = {
@@ -117,6 +166,8 @@ LAUNCHES = {
                                     distributed_executor_backend="mp")),
     "v2-mp-tp2-ep": ("v2", 1, dict(tensor_parallel_size=2, enable_expert_parallel=True,
                                    distributed_executor_backend="mp")),
+    "v2-mp-dp2-ep": ("v2", 1, dict(data_parallel_size=2, enable_expert_parallel=True,
+                                   distributed_executor_backend="mp")),  # engine cores in DP waves
     "v3-torchrun-tp2-dp2-ep": ("v3", 4, dict(tensor_parallel_size=2, data_parallel_size=2,
                                              enable_expert_parallel=True,
                                              distributed_executor_backend="external_launcher")),

@@ -8,11 +8,12 @@ OLMo 2's whole-projection q/k norms, post-norms and attention biases. Prompts ar
 (past it: the long factors). Each generated token must be transformers' argmax and each
 logprob its log-softmax (test_hf_reference's check). transformers scores prompt + generated
 tokens in one forward, which picks the factor set as a generation that never crosses the
-original context does.
+original context does. Prompts whose generation crosses it are held to transformers' own
+`generate` (which then recomputes its cache with the long factors), step by step.
 
 Negative controls: a reference that drops longrope (and one whose OLMo 2 norms are per rank,
 at TP 2) must disagree; a shared prefix cache between a long and a short prompt must give
-wrong tokens.
+wrong tokens; without the recompute a crossing generation must disagree with `generate`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import json
 import pytest
 import torch
 from family_checkpoints import ORIGINAL_CONTEXT, olmo2_config, phi3_config, save_random
-from launch import REPO, run_torchrun
 from test_hf_reference import MAX_TOKENS, disagreements, hf_logprobs, hf_model
 
 from spmd_engine import LLM, SamplingParams
@@ -133,3 +133,49 @@ def test_config_errors_name_the_field(checkpoints):
         ModelSpec.from_hf_config(llama)
     spec = ModelSpec.from_hf_config(phi3)
     assert spec.fused_checkpoint and spec.rotary_dim == 8 and spec.rope_scaling["attention_factor"] > 1
+
+
+CROSSING = (ORIGINAL_CONTEXT - 4, ORIGINAL_CONTEXT)  # prompts whose generation grows past the original context
+
+
+def crossing_prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(5)
+    return [torch.randint(3, 131, (n,), generator=gen).tolist() for n in CROSSING]
+
+
+@torch.inference_mode()
+def generate_problems(hf, prompt_list, outputs) -> list[str]:
+    """Where our tokens or logprobs differ from transformers' greedy `generate` (its raw logits)."""
+    problems = []
+    for prompt, (tokens, logprobs) in zip(prompt_list, outputs, strict=True):
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+                          do_sample=False, output_logits=True, return_dict_in_generate=True)
+        ref = torch.log_softmax(torch.stack([step[0] for step in out.logits]).float(), dim=-1)
+        problems += disagreements(prompt, tokens, logprobs, ref)
+    return problems
+
+
+@pytest.mark.timeout(240)
+def test_generation_crossing_the_original_context_matches_transformers_generate(checkpoints):
+    """Alone, and cut into chunks with prefix-cache hits and preemption around the recompute."""
+    hf = hf_model(checkpoints["phi3"])
+    prompt_list = crossing_prompts()
+    per_token = 2 * 2 * 16 * 4 * 4
+    for engine in ({}, dict(enable_chunked_prefill=True, max_num_batched_tokens=8, block_size=8,
+                            kv_cache_memory_bytes=per_token * 8 * 8, max_model_len=64, max_num_seqs=3)):
+        repeated = prompt_list + prompt_list[:1] if engine else prompt_list
+        outputs = generate(checkpoints["phi3"], repeated, **engine)
+        assert sum(s["preemptions"] for s in generate.stats) >= len(repeated)  # each recomputed once at least
+        problems = generate_problems(hf, repeated, outputs)
+        assert not problems, (engine, "\n".join(problems[:10]))
+
+
+@pytest.mark.timeout(240)
+def test_without_the_recompute_a_crossing_generation_disagrees(checkpoints, monkeypatch):
+    from spmd_engine.model.layers import longrope
+    monkeypatch.setattr(longrope.LongRopeSwitch, "__call__", lambda self, request: False)
+    prompt_list = crossing_prompts()
+    outputs = generate(checkpoints["phi3"], prompt_list)
+    hf = hf_model(checkpoints["phi3"])
+    for prompt, out in zip(prompt_list, outputs):
+        assert generate_problems(hf, [prompt], [out])

@@ -16,6 +16,7 @@ import sys
 
 import pytest
 from gemma_checkpoint import CONFIG, WINDOW, make_gemma3_checkpoint
+from inductor_cache import shared_cache_dir
 from launch import REPO, run_torchrun
 from test_hf_reference import copy_with_config, disagreements, engine_outputs, hf_logprobs, hf_model
 
@@ -27,6 +28,14 @@ from gemma3_layouts import PROMPTS  # noqa: E402
 
 SCRIPT = REPO / "tests" / "helpers" / "dist_scripts" / "gemma3_layouts.py"
 assert min(len(p) for p in PROMPTS[1:]) > WINDOW  # all but the first prompt outrun the window
+
+
+@pytest.fixture(scope="module", autouse=True)
+def inductor_cache(tmp_path_factory):
+    """The run's shared cache (tests/helpers/inductor_cache.py), inherited by mp workers."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(shared_cache_dir(tmp_path_factory)))
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +53,9 @@ def uni_outputs(checkpoint):
     return engine_outputs(checkpoint, PROMPTS, enforce_eager=True)  # the compiled path: slow suite
 
 
-def problems_of(outputs, reference) -> list[str]:
+def problems_of(outputs, reference, prompts=PROMPTS) -> list[str]:
     problems = []
-    for prompt, (tokens, logprobs) in zip(PROMPTS, outputs, strict=True):
+    for prompt, (tokens, logprobs) in zip(prompts, outputs, strict=True):
         problems += disagreements(prompt, tokens, logprobs, hf_logprobs(reference, prompt, tokens))
     return problems
 
@@ -102,33 +111,35 @@ def test_spec_reads_each_layer_kind():
     assert (spec.rope_theta, dict(spec.rope_scaling)["factor"], spec.local_rope_theta) == (1e6, 8.0, 1e4)
 
 
+# Three more requests that grow past one block: with four blocks of 16 tokens some are preempted.
+CROWD = PROMPTS + [[(13 * i + k) % 131 for i in range(6)] for k in (2, 4, 6)]
 ENGINE_PATHS = [
-    dict(max_num_batched_tokens=8, block_size=4),  # chunked prefill: the 21-token prompt over three steps
-    # 3 blocks: preemption (chunks of 16 admit all three prompts at once; their growth preempts)
-    dict(kv_cache_memory_bytes=3 * 16 * 2048, max_model_len=48, max_num_batched_tokens=16),
-    dict(batch_invariant=True),
-    dict(enforce_eager=False),  # compiled decoder layers, both layer kinds
+    (dict(max_num_batched_tokens=16), PROMPTS),  # chunked prefill: the 21-token prompt over two steps
+    # 2048 bytes of K/V per token; chunks of 16 admit the crowd's prompts together, their growth preempts
+    (dict(kv_cache_memory_bytes=4 * 16 * 2048, max_model_len=48, max_num_batched_tokens=16), CROWD),
+    (dict(batch_invariant=True), PROMPTS),
+    (dict(enforce_eager=False, compilation_config={"level": 3, "min_tokens": 2}), PROMPTS),  # compiled layers
 ]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("settings", ENGINE_PATHS, ids=["chunked", "preempt", "batch-invariant", "compiled"])
-def test_engine_paths_match_transformers(checkpoint, reference, settings):
+@pytest.mark.parametrize("settings, prompts", ENGINE_PATHS, ids=["chunked", "preempt", "batch-invariant", "compiled"])
+def test_engine_paths_match_transformers(checkpoint, reference, settings, prompts):
     from spmd_engine import LLM, SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=3, ignore_eos=True)
     with LLM(model=str(checkpoint), **settings) as llm:
-        outs = llm.generate(PROMPTS, params)
-        again = llm.generate(PROMPTS, params)  # the prefix cache's second pass
+        outs = llm.generate(prompts, params)
+        again = llm.generate(prompts, params)  # the prefix cache's second pass
         stats = llm.get_stats()
     for run in (outs, again):
-        assert not problems_of([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in run], reference)
+        assert not problems_of([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in run], reference, prompts)
     if "kv_cache_memory_bytes" in settings:
-        assert stats[0]["preemptions"] > 0
-    elif "max_num_batched_tokens" in settings:
-        assert stats[0]["steps"] > 2 * 12
+        assert stats[0]["num_blocks"] == 4 and stats[0]["preemptions"] > 0
     else:
         assert any(o.num_cached_tokens > 0 for o in again)  # prefix-cache hits past the window
+    if "compilation_config" in settings:  # both layer kinds, each its graph
+        assert stats[0]["runner"]["compiled_graphs"] + stats[0]["runner"]["compiled_graphs_loaded"] >= 2
 
 
 @pytest.mark.slow

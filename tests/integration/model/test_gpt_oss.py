@@ -1,10 +1,12 @@
 """gpt-oss (GptOssForCausalLM) against transformers' own model on a tiny random checkpoint
-with every feature on (tests/helpers/gpt_oss_checkpoint.py): greedy tokens equal and
+with every feature on (tests/helpers/gpt_oss_checkpoint.py). Quick: the model's forward logits
+(no cache) and each rank's slices of the fused expert tensors. Slow, the engine: greedy tokens equal and
 logprobs within fp32 tolerance (teacher-forced, test_hf_reference.py's check), prompts longer
 than the sliding window. Layouts: uni, TP 2 x PP 2, TP 2 with expert parallelism, DP 2 with
-EP (token dispatch); chunked prefill, prefix cache hits and preemption under the same check.
-Negative controls: the same checkpoint with its sinks zeroed, or its SwiGLU limit raised
-(config only, so our engine and a fresh transformers load disagree with the original).
+EP (token dispatch), torchrun TP 2 x DP 2; batch-invariant mode;
+routing replay, chunked prefill, prefix cache hits and preemption (greedy tokens checked).
+Negative controls: our engine on the same weights with the SwiGLU limit raised or the window
+widened (config only) must disagree with transformers on the original.
 """
 
 from __future__ import annotations
@@ -57,6 +59,20 @@ def prompts() -> list[list[int]]:
     return out
 
 
+@pytest.mark.timeout(60)
+@torch.inference_mode()
+def test_model_forward_logits_match_transformers(checkpoint, reference):
+    """The model alone (no cache, one 20-token row past the window): fp32 logits equal."""
+    from spmd_engine.model.loader import load_model
+    from spmd_engine.model.solo import SoloGroup
+    model = load_model(checkpoint, SoloGroup(), SoloGroup(), dtype=torch.float32)
+    ids = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(20).expand(2, 20)
+    ours = model.compute_logits(model(ids, positions, None)["hidden_states"].reshape(40, -1)).view(2, 20, -1)
+    torch.testing.assert_close(ours, reference(ids).logits.float(), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_uni_matches_transformers(checkpoint, reference):
     problems = problems_against(reference, prompts(), engine_outputs(checkpoint, prompts()))
@@ -95,6 +111,17 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_mp_layouts_match_transformers(checkpoint, reference, layout):
     outputs = engine_outputs(checkpoint, prompts(), distributed_executor_backend="mp", **LAYOUTS[layout])
+    problems = problems_against(reference, prompts(), outputs)
+    assert not problems, "\n".join(problems[:10])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_batch_invariant_matches_transformers(checkpoint, reference):
+    """Batch-invariant tiles with sinks and windows, the experts' invariant sums with their biases.
+    (A compiled forward runs MoE models' layers eager: the sinks' compiled op and traced decode
+    step are checked in tests/unit/model/test_sink_attention.py.)"""
+    outputs = engine_outputs(checkpoint, prompts(), batch_invariant=True)
     problems = problems_against(reference, prompts(), outputs)
     assert not problems, "\n".join(problems[:10])
 
@@ -176,3 +203,37 @@ def test_torchrun_tp2_dp2_matches_transformers(checkpoint, reference, tmp_path, 
     assert all(r["records"] == results[0]["records"] for r in results)
     problems = replay_problems(reference, results[0])
     assert not problems, "\n".join(problems[:10])
+
+
+# ---- per-rank slices of the all-experts tensors -----------------------------------------------------
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("ep", [False, True], ids=["tp", "ep"])
+def test_each_rank_reads_and_holds_its_slice_of_the_fused_experts(checkpoint, ep):
+    """Rank 1 of 2 reads experts 2-3 whole (EP) or half of every expert's width (TP) of HF's
+    [E, H, 2I] interleaved gate_up tensor, holds them as gate rows then up rows, and a trainer's
+    full tensors (update_weights) give the same parameters."""
+    from safetensors.torch import load_file
+    from test_moe import FakeGroup, bytes_read_per_tensor
+
+    from spmd_engine.model.loader import read_hf_config
+    from spmd_engine.model.models.llama import CausalLM
+    from spmd_engine.model.solo import SoloGroup
+    log = bytes_read_per_tensor(checkpoint, 2, 1, ep=ep)
+    full = 4 * 32 * 48 * 4  # 4 experts x hidden 32 x 2 * 24, float32
+    assert log["model.layers.0.mlp.experts.gate_up_proj"] == full // 2
+    state = load_file(str(checkpoint / "model.safetensors"))
+    loaded, updated = (CausalLM(read_hf_config(checkpoint), FakeGroup(2, 1), SoloGroup(), moe_group=FakeGroup(2, 1),
+                                expert_parallel=ep) for _ in range(2))
+    loaded.load_weights(lambda name: state[name])
+    updated.update_weights(state)
+    experts = loaded.model.layers["2"].mlp.experts
+    hf = state["model.layers.2.mlp.experts.gate_up_proj"]  # [E, H, 2I]
+    rows, cols = (slice(2, 4), slice(0, 24)) if ep else (slice(0, 4), slice(12, 24))
+    gate, up = hf[rows, :, 0::2][..., cols], hf[rows, :, 1::2][..., cols]
+    assert torch.equal(experts.w13_weight, torch.cat([gate, up], dim=-1).transpose(1, 2))
+    down_bias = state["model.layers.2.mlp.experts.down_proj_bias"][rows]
+    assert torch.equal(experts.w2_bias, down_bias)
+    assert (experts._down_bias() is None) != ep  # without EP rank 1 leaves the down bias to rank 0
+    for (name, a), (_, b) in zip(loaded.named_parameters(), updated.named_parameters()):
+        assert torch.equal(a, b), name

@@ -159,6 +159,36 @@ def test_pack_and_unpack_are_inverse_and_the_layout_is_told_by_the_shape():
     assert vnni_gemm.fits(48, 41, torch.float32) and not vnni_gemm.fits(40, 48, torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rows_written_in_place_are_the_bytes_packing_the_whole_weight_gives(dtype):
+    """An update writes a packed weight by row ranges (PackedRows, as the loaders slice a fused
+    weight): whole blocks of 16, ranges that cut a block, strided and other-dtype sources, and a
+    zeroed range must all leave exactly what `pack` of the updated dense weight holds."""
+    from spmd_engine.kernels.packed_rows import PackedRows
+    gen = torch.Generator().manual_seed(7)
+    want = torch.randn(64, 40, generator=gen).to(dtype)
+    packed = vnni_gemm.pack(want)
+    storage = packed.data_ptr()
+    rows = PackedRows(packed)
+    assert rows.shape == (64, 40) and rows[16:48].shape == (32, 40)
+    new = torch.randn(64, 40, generator=gen).to(dtype)
+    rows[16:48].copy_(new[16:48])  # whole blocks
+    want[16:48] = new[16:48]
+    rows[3:21].copy_(new[3:21].float())  # cuts blocks 0 and 1, from fp32
+    want[3:21] = new[3:21]
+    wide = torch.randn(64, 80, generator=gen).to(dtype)[:, ::2]  # a strided source
+    rows[48:][:16].copy_(wide[48:])
+    want[48:] = wide[48:]
+    transposed = torch.randn(40, 16, generator=gen).to(dtype).t()  # rows not contiguous at all
+    rows[0:16].copy_(transposed)
+    want[0:16] = transposed
+    rows[40:45].zero_()
+    want[40:45] = 0
+    assert torch.equal(packed, vnni_gemm.pack(want)) and packed.data_ptr() == storage
+    with pytest.raises(ValueError, match="shape"):
+        rows[0:16].copy_(new[0:8])
+
+
 def logits_of(path, layout: str, monkeypatch) -> list[np.ndarray]:
     monkeypatch.setenv(envs.CPU_BF16_GEMM, layout)
     model = load_model(path, SoloGroup(), SoloGroup(), dtype=torch.bfloat16)
