@@ -62,6 +62,10 @@ class ChunkProgram(nn.Module):
     def caches(self) -> list[torch.Tensor]:
         return [c for a in self._attention for c in (a.k_cache, a.v_cache)]
 
+    def cache_windows(self) -> list[int | None]:
+        """The sliding window of each of `caches()`' layers (None: full attention)."""
+        return [getattr(a, "sliding_window", None) for a in self._attention for _ in (a.k_cache, a.v_cache)]
+
     def packed(self) -> list[bool]:
         """Which weights are packed (oneDNN): they reach the graph only through spmd_engine::linear."""
         return [w.is_mkldnn for w in self.weights()]

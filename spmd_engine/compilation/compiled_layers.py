@@ -305,11 +305,17 @@ def _export_example(program, cos, sin, hidden, residual, decode, single: bool):
     from torch.export import Dim
     weights, caches = program.weights(), program.caches()
     stand_ins = [torch.empty(w.shape, dtype=w.dtype, device=w.device) if w.is_mkldnn else w for w in weights]
-    n, blocks, width = (None if single else Dim("N", min=2)), Dim("NB", min=2), Dim("B", min=2)
+    n, width = (None if single else Dim("N", min=2)), Dim("B", min=2)
+    # One block-count dim per sliding window: a KV cache of several groups (core/kv_groups.py)
+    # gives each group's layers a pool of its own size.
+    blocks = {}
+    for window in program.cache_windows():
+        blocks.setdefault(window, Dim("NB" if not blocks else f"NB{len(blocks)}", min=2))
     tokens = None if n is None else {0: n}
     step = None if decode is None else (tokens, {**(tokens or {}), 1: width}, tokens)
     example = (stand_ins, caches, cos, sin, hidden, residual, decode)
-    dims = ([None] * len(weights), [{0: blocks} if c.shape[0] > 1 else None for c in caches],
+    dims = ([None] * len(weights),
+            [{0: blocks[w]} if c.shape[0] > 1 else None for c, w in zip(caches, program.cache_windows())],
             tokens, tokens, tokens, tokens, step)
     any_layout = program.packed() + [False] * (len(caches) + 4 + len(decode or ()))
     return example, dims, any_layout

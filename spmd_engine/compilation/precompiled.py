@@ -59,7 +59,8 @@ logger = logging.getLogger("spmd_engine")
 FOLDER = "spmd_engine_precompiled"
 SUFFIX = ".pt2"
 _SPEC_KEY = "spmd_engine.inputs"
-# The dynamic dims: tokens in the step, KV blocks in a cache, blocks a decode token reads.
+# The dynamic dims: tokens in the step, KV blocks in a cache (NB, NB1, ...: one per KV cache
+# group), blocks a decode token reads.
 _MIN = {"N": 2, "NB": 2, "B": 2}
 # What a graph is traced from, under spmd_engine/ (digest hashes their source).
 GRAPH_SOURCES = ("model", "compilation", "kernels", "forward_context.py", "platform.py")
@@ -158,7 +159,7 @@ class Package:
                 return None
             for want, got in zip(sizes, t.shape):
                 if isinstance(want, str):
-                    if bound.setdefault(want, got) != got or got < _MIN[want]:
+                    if bound.setdefault(want, got) != got or got < _MIN[want.rstrip("0123456789")]:
                         return None
                 elif want != got:
                     return None
