@@ -4,8 +4,8 @@ The tiny V3 checkpoint of tests/helpers/deepseek_checkpoint.py through the engin
 batch_invariant=True: greedy tokens and logprobs equal transformers' (fp32 tolerance), a
 prompt's tokens and logprobs are the same bits alone and among a batch of others (the
 per-head latent products, the attention whose values are the keys' first channels, the
-float32 router), and (slow) TP 2 and TP 4, all the tiny config's four heads allow, give the
-bits of TP 1.
+float32 router). Slow: the same for V2, the needle test in bf16 and compiled, and TP 2 and
+TP 4 (all the tiny config's four heads allow) giving the bits of TP 1.
 """
 
 from __future__ import annotations
@@ -35,6 +35,11 @@ def v3(tmp_path_factory):
     return make_deepseek_checkpoint(tmp_path_factory.mktemp("deepseek_bi") / "v3", "v3", seed=40)
 
 
+@pytest.fixture(scope="module")
+def v2(tmp_path_factory):
+    return make_deepseek_checkpoint(tmp_path_factory.mktemp("deepseek_bi") / "v2", "v2", seed=41)
+
+
 def needle_mismatches(llm: LLM, trials: int, seed: int = 0) -> list[str]:
     """A prompt (greedy, with prompt logprobs) alone, then at a random place among 1-40 others."""
     rng = random.Random(seed)
@@ -52,14 +57,33 @@ def needle_mismatches(llm: LLM, trials: int, seed: int = 0) -> list[str]:
     return bad
 
 
+def equals_transformers_and_alone_equals_batched(path) -> None:
+    prompts = prompts_for(VOCAB)
+    outputs = engine_outputs(path, prompts, batch_invariant=True, **CHUNKED)
+    problems = check_against_hf(path, prompts, outputs, cached_hf_model(path))
+    assert not problems, "\n".join(problems[:10])
+    with LLM(model=str(path), batch_invariant=True) as llm:
+        assert needle_mismatches(llm, trials=3) == []
+
+
 @pytest.mark.timeout(240)
 def test_v3_equals_transformers_and_a_prompt_alone_equals_it_batched(v3):
-    prompts = prompts_for(VOCAB)
-    outputs = engine_outputs(v3, prompts, batch_invariant=True, **CHUNKED)
-    problems = check_against_hf(v3, prompts, outputs, cached_hf_model(v3))
-    assert not problems, "\n".join(problems[:10])
-    with LLM(model=str(v3), batch_invariant=True) as llm:
-        assert needle_mismatches(llm, trials=3) == []
+    equals_transformers_and_alone_equals_batched(v3)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_v2_equals_transformers_and_a_prompt_alone_equals_it_batched(v2):
+    """V2: a plain q_proj, the softmax router over group-limited experts."""
+    equals_transformers_and_alone_equals_batched(v2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", [dict(dtype="bfloat16"), dict(enforce_eager=False)], ids=["bf16", "compiled"])
+def test_v3_alone_equals_batched_in_bf16_and_compiled(v3, mode):
+    with LLM(model=str(v3), batch_invariant=True, **mode) as llm:
+        assert needle_mismatches(llm, trials=2) == []
 
 
 @pytest.mark.timeout(240)
