@@ -356,10 +356,11 @@ def check_batch_invariant(spec, parallel: ParallelConfig, source: str) -> None:
     except ValueError:
         raise ConfigError(f"batch-invariant mode supports tensor parallel sizes dividing {REDUCE_CHUNKS} "
                           f"(1, 2, 4, 8), got {tp}") from None
-    if spec.mla is not None:
-        raise ConfigError(f"batch-invariant mode does not support multi-head latent attention ({spec.architecture})")
     widths = {"num_attention_heads x head_dim": spec.num_heads * spec.head_dim,
               "intermediate_size": spec.intermediate_size}
+    if spec.mla is not None:  # o_proj reduces the heads' values
+        widths = {"num_attention_heads x v_head_dim": spec.num_heads * spec.mla.v_head_dim,
+                  "intermediate_size": spec.intermediate_size}
     if spec.moe is not None:
         widths["moe_intermediate_size"] = spec.moe.expert_intermediate_size
     for name, width in widths.items():

@@ -409,9 +409,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         if Dv == D:
             v_cache.view(-1, kv, D).index_copy_(0, attn.slot_mapping, v)
     if attn.tiles is not None:
-        out = bi.attend(q, k_cache.view(-1, kv, D), v_cache.view(-1, kv, D), attn.tiles.plan(heads // kv), scale,
-                        window)
-        return out.reshape(attn.num_tokens, heads * D)
+        out = bi.attend(q, k_cache.view(-1, kv, D), v_cache.view(-1, kv, D)[..., :Dv], attn.tiles.plan(heads // kv),
+                        scale, window)
+        return out.reshape(attn.num_tokens, heads * Dv)
     outs = [_attend(q[g.start:g.end], k[g.start:g.end], v[g.start:g.end], g, k_cache, v_cache, scale, window)
             for g in attn.groups]
     out = outs[0] if len(outs) == 1 else torch.cat(outs)

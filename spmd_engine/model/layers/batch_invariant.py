@@ -351,8 +351,8 @@ def plan_tiles(context_lens: Sequence[int], query_lens: Sequence[int], row_start
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: TilePlan, scale: float,
            window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Packed queries [N, heads, D] over flat keys, values [S, kv_heads, D] -> [N, heads, D], each
-    over its last `window` keys (None: all).
+    """Packed queries [N, heads, D] over flat keys [S, kv_heads, D] and values [S, kv_heads, Dv]
+    -> [N, heads, Dv], each over its last `window` keys (None: all).
     Each bucket's tiles are gathered and attended MAX_SCORES scores at a time (tiles are
     independent: any split), so a long context's keys are never all copied at once. `sinks`
     [heads]: attention sinks' logits (sink_attention.py) in every denominator."""
@@ -373,18 +373,18 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: 
               scale: float, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Tiles of queries over their sequences' keys, laid out by position.
 
-    q [n, t, heads, D]; keys, values [n, L, kv_heads, D], key j at position j of the tile's
+    q [n, t, heads, D]; keys [n, L, kv_heads, D], values [.., Dv], key j at position j of the tile's
     sequence, L a power-of-two number of KEY_BLOCKs; q_pos [n, t]: a query sees keys
     0..q_pos (padding queries: 0), with a sliding `window` only q_pos - window < j. A key's
     bits do not depend on which others are hidden (a hidden key adds an exact zero), so the
-    window keeps the recipe batch-invariant. Returns [n, t, heads, D] in q's dtype.
+    window keeps the recipe batch-invariant. Returns [n, t, heads, Dv] in q's dtype.
     """
     n, t, heads, d = q.shape
-    kv, length = keys.shape[2], keys.shape[1]
+    kv, length, dv = keys.shape[2], keys.shape[1], values.shape[-1]
     group, nb = heads // kv, length // KEY_BLOCK
     if nb * KEY_BLOCK != length:
         raise ValueError(f"key length {length} is not a whole number of {KEY_BLOCK}-key blocks")
-    if q.dtype == torch.bfloat16 and sinks is None and _sdpa_invariant(q.device.type, d, q.dtype):
+    if q.dtype == torch.bfloat16 and sinks is None and dv == d and _sdpa_invariant(q.device.type, d, q.dtype):
         return _flash_tiles(q, keys, values, q_pos, scale, window)  # (the probe checks a lone sequence too)
     if n < 2:  # no product alone in its call (a lone bmm may split its sums between threads)
         pad = (0, 0, 0, 0, 0, 0, 0, 2 - n)
@@ -397,9 +397,10 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: 
                          window, sinks)[:, :t]
     f32, rows = torch.float32, t * group
     keys, values = keys.to(f32), values.to(f32)  # no copy in fp32
-    if d < MIN_ROWS:  # a head this narrow meets MKL's small kernels (other sums): zeros pad it
-        q, keys, values = (F.pad(x, (0, MIN_ROWS - d)) for x in (q, keys, values))
-        return attention(q, keys, values, q_pos, scale, window, sinks)[..., :d]
+    if min(d, dv) < MIN_ROWS:  # a head this narrow meets MKL's small kernels (other sums): zeros pad it
+        q, keys = (F.pad(x, (0, max(0, MIN_ROWS - d))) for x in (q, keys))
+        values = F.pad(values, (0, max(0, MIN_ROWS - dv)))
+        return attention(q, keys, values, q_pos, scale, window, sinks)[..., :dv]
     # [n, kv, D, rows]: a KV head's query heads folded into the columns; each product has the
     # keys' (or a value block's dims') rows, so a decode's few columns cost what they compute
     qf = (q.to(f32) * scale).view(n, t, kv, group, d).permute(0, 2, 4, 1, 3).reshape(n, kv, d, rows)
@@ -418,10 +419,10 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: 
         denom = pairwise_sum(sums.view(n, nb, rows), dim=1)  # [n, rows]
         if sinks is not None:
             denom = denom + pointwise(torch.exp, (sink - top).clamp(min=EXP_FLOOR)).view(n, rows)
-        vb = values[:, :, h].reshape(n * nb, KEY_BLOCK, d).transpose(1, 2)  # a view: [n * nb, D, KEY_BLOCK]
-        acc = pairwise_sum(torch.bmm(vb, p).view(n, nb, d, rows), dim=1)  # [n, D, rows]
-        outs.append((acc / denom.unsqueeze(1)).view(n, d, t, group).permute(0, 2, 3, 1))
-    return torch.stack(outs, dim=2).reshape(n, t, heads, d).to(q.dtype)
+        vb = values[:, :, h].reshape(n * nb, KEY_BLOCK, dv).transpose(1, 2)  # [n * nb, Dv, KEY_BLOCK]
+        acc = pairwise_sum(torch.bmm(vb, p).view(n, nb, dv, rows), dim=1)  # [n, Dv, rows]
+        outs.append((acc / denom.unsqueeze(1)).view(n, dv, t, group).permute(0, 2, 3, 1))
+    return torch.stack(outs, dim=2).reshape(n, t, heads, dv).to(q.dtype)
 
 
 def _hidden(length: int, q_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -509,11 +510,12 @@ def _blocks(keys: int) -> int:
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                      window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Whole rows [B, T, heads, D] (no cache), through `attend`: what a trainer runs."""
+    """Whole rows [B, T, heads, D] (no cache; values' Dv may be narrower), through `attend`: what a
+    trainer runs."""
     b, t, heads, d = q.shape
-    kv = k.shape[2]
+    kv, dv = k.shape[2], v.shape[-1]
     plan = plan_tiles([0] * b, [t] * b, [i * t for i in range(b)],
                       lambda seq, pos: seq.view(-1, 1) * t + pos.clamp(max=t - 1).view(1, -1), heads // kv, q.device)
-    out = attend(q.reshape(b * t, heads, d), k.reshape(b * t, kv, d), v.reshape(b * t, kv, d), plan, scale, window,
+    out = attend(q.reshape(b * t, heads, d), k.reshape(b * t, kv, d), v.reshape(b * t, kv, dv), plan, scale, window,
                  sinks)
-    return out.view(b, t, heads, d)
+    return out.view(b, t, heads, dv)

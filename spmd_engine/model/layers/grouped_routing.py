@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from spmd_engine.model.layers import batch_invariant as bi
+
 
 @dataclass(frozen=True)
 class GroupedTopK:
@@ -29,12 +31,16 @@ class GroupedTopK:
     scaling_factor: float
 
 
-def grouped_route(router_logits: torch.Tensor, top_k: int, g: GroupedTopK,
-                  bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def grouped_route(router_logits: torch.Tensor, top_k: int, g: GroupedTopK, bias: torch.Tensor | None = None,
+                  invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """[T, E] float32 logits -> (weights [T, k] float32, expert ids [T, k] int64), best first
-    by the (corrected) score the choice was made on."""
+    by the (corrected) score the choice was made on. `invariant`: the sigmoid through
+    batch_invariant.pointwise (torch's elementwise kernel gives a tensor's tail other bits)."""
     logits = router_logits.float()
-    scores = logits.sigmoid() if g.scoring == "sigmoid" else logits.softmax(dim=-1)
+    if g.scoring == "sigmoid":
+        scores = bi.pointwise(torch.sigmoid, logits) if invariant else logits.sigmoid()
+    else:
+        scores = logits.softmax(dim=-1)
     choice = scores + bias.float() if g.correction_bias and bias is not None else scores
     if g.num_groups > 1:
         tokens, experts = choice.shape

@@ -13,16 +13,20 @@ whose key is [latent, rotary key] and whose value is the latent, the key's first
 the shared Attention layer and paged cache serve it with one cache tensor per layer
 (Attention's head_dim_v), and that cache is the same on every TP rank (each rank holds its
 heads' slices of the projections). Parameter names are transformers' own.
+
+In batch-invariant mode (batch_invariant.py) the two per-head products go through
+`batch_invariant.linear` a head at a time: a batched einsum lets the GEMM pick its kernel (and
+its order of sums) from the token count, and a head's product is the same whichever TP rank
+holds it, so TP sizes agree too.
 """
 
 from __future__ import annotations
-
-from typing import Any, Mapping
 
 import torch
 from torch import nn
 
 from spmd_engine.config import ConfigError
+from spmd_engine.model.layers import batch_invariant as bi
 from spmd_engine.model.layers.attention import Attention, AttentionMetadata
 from spmd_engine.model.layers.linear import ColumnParallelLinear, RowParallelLinear
 from spmd_engine.model.layers.norm import RMSNorm
@@ -64,6 +68,8 @@ class LatentUpProjection(ColumnParallelLinear):
 class MLAttention(nn.Module):
     """One layer's multi-head latent attention, this rank's heads (see the module docstring)."""
 
+    batch_invariant = False  # the per-head products through batch_invariant.linear
+
     def __init__(self, spec: ModelSpec, tp_group, dtype: torch.dtype, sliding_window: int | None = None):
         super().__init__()
         if sliding_window is not None:
@@ -101,11 +107,17 @@ class MLAttention(nn.Module):
         w_key, w_value = self.kv_b_proj.weight.view(self.heads, -1, m.kv_lora_rank).split(
             [m.qk_nope_head_dim, m.v_head_dim], dim=1)
         # Each head's query scores latents: q_nope . (W_key latent) == (W_key^T q_nope) . latent.
-        query = torch.cat([torch.einsum("...hd,hdr->...hr", q_nope, w_key), self.rotate(q_rope, *rope)], dim=-1)
+        query = torch.cat([self.per_head(q_nope, w_key.transpose(1, 2)), self.rotate(q_rope, *rope)], dim=-1)
         key = torch.cat([self.kv_a_layernorm(latent).unsqueeze(-2), k_rope], dim=-1)
         mixed = self.attn(query, key, key[..., :m.kv_lora_rank], attn).view(*lead, self.heads, m.kv_lora_rank)
-        values = torch.einsum("...hr,hvr->...hv", mixed, w_value)  # each head's values from its latent mix
+        values = self.per_head(mixed, w_value)  # each head's values from its latent mix
         return self.o_proj(values.reshape(*lead, self.heads * m.v_head_dim))
+
+    def per_head(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [..., heads, K], weights [heads, N, K] -> [..., heads, N]: head h's rows times W_h^T."""
+        if not self.batch_invariant:
+            return torch.einsum("...hk,hnk->...hn", x, weights)
+        return torch.stack([bi.linear(x[..., h, :], weights[h]) for h in range(self.heads)], dim=-2)
 
 
 class DeepseekDecoderLayer(LlamaDecoderLayer):
@@ -121,14 +133,6 @@ class DeepseekForCausalLM(CausalLM):
     `kv_lora_rank + qk_rope_head_dim` vector, whatever the heads or the TP size."""
 
     model_class = DeepseekModel
-
-    def __init__(self, hf_config: Mapping[str, Any], tp_group, pp_group, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu", pp_partition: str | None = None, moe_group=None,
-                 expert_parallel: bool = False, dispatch_group=None, batch_invariant: bool = False):
-        if batch_invariant:
-            raise ConfigError("batch-invariant mode does not support multi-head latent attention (DeepSeek)")
-        super().__init__(hf_config, tp_group, pp_group, dtype=dtype, device=device, pp_partition=pp_partition,
-                         moe_group=moe_group, expert_parallel=expert_parallel, dispatch_group=dispatch_group)
 
     def kv_bytes_per_token(self) -> int:
         """The latent and the rotary key of one token in every layer of this stage."""

@@ -85,7 +85,7 @@ class SparseMoeBlock(nn.Module):
             weights, ids = route_topk_logits(self.gate(x), self.moe.top_k)
         elif self.moe.grouped is not None:
             weights, ids = grouped_route(self.gate(x.float()), self.moe.top_k, self.moe.grouped,
-                                         getattr(self.gate, "e_score_correction_bias", None))
+                                         getattr(self.gate, "e_score_correction_bias", None), self.batch_invariant)
         else:
             weights, ids = route(self.gate(x), self.moe.top_k, self.moe.renormalize,
                                  self.moe.weights_in_activation_dtype)

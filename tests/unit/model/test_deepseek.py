@@ -174,8 +174,7 @@ def test_v2_topk_methods_and_sparse_layers(checkpoints):
 
 
 @pytest.mark.timeout(30)
-def test_lora_and_batch_invariant_modes_refused(checkpoints):
+def test_lora_refused(checkpoints):
     from spmd_engine.engine.arg_utils import EngineArgs
-    for flag in ("enable_lora", "batch_invariant"):
-        with pytest.raises(ConfigError, match="does not support multi-head latent attention"):
-            EngineArgs(model=str(checkpoints["v2"]), **{flag: True}).create_engine_config()
+    with pytest.raises(ConfigError, match="does not support multi-head latent attention"):
+        EngineArgs(model=str(checkpoints["v2"]), enable_lora=True).create_engine_config()
