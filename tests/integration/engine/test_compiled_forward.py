@@ -132,7 +132,9 @@ def test_one_token_steps_have_a_graph_of_their_own(tiny):
         want = greedy(llm, BATCHES[:2])
     with LLM(model=str(tiny), enforce_eager=False, compilation_config={"level": 3}) as llm:
         compiled = llm.llm_engine.model_executor.driver_worker.model_runner.model.compiled_layers
-        assert sorted(compiled.built) == [(4, False, False), (4, False, True), (4, True, True)]  # at start-up
+        full = (None,) * 4  # the chunk's four layers' windows: full attention
+        assert sorted(compiled.built) == [(4, full, False, False), (4, full, False, True),
+                                          (4, full, True, True)]  # at start-up
         assert greedy(llm, BATCHES[:2]) == want  # BATCHES[0] is one request: one-token steps
         stats = runner_stats(llm)
         assert (stats["compiled_graphs"], stats["compiled_calls_refused"]) == (3, 0), stats
