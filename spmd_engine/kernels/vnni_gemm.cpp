@@ -38,6 +38,7 @@
 #include <cstring>
 #include <algorithm>
 #include <mutex>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -496,6 +497,69 @@ at::Tensor linear_argmax(const at::Tensor& x, const at::Tensor& packed, int64_t 
   return index;
 }
 
+// A float as bf16, rounded to nearest even as torch's conversion rounds (a NaN stays a NaN).
+inline uint16_t to_bf16(float f) {
+  if (std::isnan(f)) return 0x7FC0;
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline float from_bf16(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+template <class S, class D>
+inline D convert(S v) {
+  if constexpr (std::is_same_v<S, D>) return v;
+  else if constexpr (std::is_same_v<D, uint16_t>) return to_bf16(v);
+  else return from_bf16(v);
+}
+
+// Blocks [first, first + n / 16) of a packed weight from src's n rows: each block's 16 rows are
+// converted into a scratch block in cache (contiguous, so the conversion vectorises), then its
+// 4-byte words (a bf16 pair, or one fp32) are transposed into place. An update's whole-block
+// write, without the converted copy of src and the strided copy that `pack` of it would make.
+template <class S, class D>
+void fill_blocks(D* out, const S* src, int64_t ld, int64_t n, int64_t K, int64_t p) {
+  const int64_t lines = K / p;  // 4-byte words per row
+  std::vector<D> scratch(16 * K);
+  char* words = reinterpret_cast<char*>(out);
+  for (int64_t b = 0; b < n / 16; ++b) {
+    for (int64_t r = 0; r < 16; ++r) {
+      const S* row = src + (b * 16 + r) * ld;
+      D* to = scratch.data() + r * K;
+      for (int64_t c = 0; c < K; ++c) to[c] = convert<S, D>(row[c]);
+    }
+    char* block = words + b * K * 16 * sizeof(D);
+    for (int64_t line = 0; line < lines; ++line)
+      for (int64_t r = 0; r < 16; ++r) std::memcpy(block + (line * 16 + r) * 4, scratch.data() + r * K + line * p, 4);
+  }
+}
+
+void write_blocks(at::Tensor packed, int64_t first, const at::Tensor& src) {
+  TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && src.dim() == 2 && src.stride(1) == 1,
+              "write_blocks: a contiguous packed weight and rows whose columns are contiguous");
+  const int64_t n = src.size(0), p = packed.size(3), K = packed.size(1) * p;
+  TORCH_CHECK(n % 16 == 0 && src.size(1) == K && first >= 0 && first + n / 16 <= packed.size(0),
+              "write_blocks: rows do not fit the packed weight's blocks");
+  const bool bf16_in = src.scalar_type() == at::kBFloat16, bf16_out = packed.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((bf16_in || src.scalar_type() == at::kFloat) && (bf16_out || packed.scalar_type() == at::kFloat),
+              "write_blocks: bf16 or fp32 only");
+  const int64_t ld = src.stride(0), offset = first * K * 16;
+  if (bf16_out && bf16_in)
+    fill_blocks(static_cast<uint16_t*>(packed.data_ptr()) + offset, static_cast<const uint16_t*>(src.data_ptr()), ld, n, K, p);
+  else if (bf16_out)
+    fill_blocks(static_cast<uint16_t*>(packed.data_ptr()) + offset, src.data_ptr<float>(), ld, n, K, p);
+  else if (bf16_in)
+    fill_blocks(packed.data_ptr<float>() + offset, static_cast<const uint16_t*>(src.data_ptr()), ld, n, K, p);
+  else
+    fill_blocks(packed.data_ptr<float>() + offset, src.data_ptr<float>(), ld, n, K, p);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(spmd_vnni_gemm, m) {
@@ -504,10 +568,12 @@ TORCH_LIBRARY(spmd_vnni_gemm, m) {
   // Whether weights with K % 32 == 0 take the AMX path from now on: asks the OS for the tile
   // state once; false where the build has no AMX or the OS refuses.
   m.def("use_amx(bool enable) -> bool", use_amx);
-  m.def("has_bf16() -> bool", has_bf16);  // whether this build has the bf16 paths (else fp32 only)
+  m.def("has_bf16() -> bool", has_bf16);
+  m.def("write_blocks(Tensor(a!) packed, int first, Tensor src) -> ()");  // an update's whole blocks  // whether this build has the bf16 paths (else fp32 only)
 }
 
 TORCH_LIBRARY_IMPL(spmd_vnni_gemm, CPU, m) {
   m.impl("linear", linear);
   m.impl("linear_argmax", linear_argmax);
+  m.impl("write_blocks", write_blocks);
 }

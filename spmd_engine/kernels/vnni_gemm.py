@@ -83,11 +83,17 @@ def write_rows(packed: torch.Tensor, start: int, src: torch.Tensor) -> None:
     p = packed.shape[3]
     first, end = start // 16, -(-(start + n) // 16)
     if start % 16 == 0 and n % 16 == 0:
+        if (src.dtype in (torch.float32, torch.bfloat16) and src.stride(-1) == 1 and src.device.type == "cpu"
+                and unavailable(packed.dtype) is None):
+            # Converted and transposed in one pass on this thread: no converted copy of src,
+            # and no intra-op threads for a loaded machine (or a transfer receiving beside it)
+            # to starve.
+            torch.ops.spmd_vnni_gemm.write_blocks(packed, first, src.detach())
+            return
         if src.dtype != packed.dtype or src.stride(-1) != 1:
             src = src.to(packed.dtype).contiguous()
         # As 4-byte words (a bf16 pair is one), the layout is a transpose of each block of 16
-        # rows, which numpy copies on this thread alone: torch's copy_ would fan it out to
-        # intra-op threads that a loaded machine (or a transfer receiving beside it) starves.
+        # rows, which numpy copies on this thread alone.
         lines = _words(packed[first:end]).reshape(end - first, k // p, 16)
         np.copyto(lines, _words(src).reshape(n // 16, 16, k // p).transpose(0, 2, 1))
         return

@@ -189,6 +189,28 @@ def test_rows_written_in_place_are_the_bytes_packing_the_whole_weight_gives(dtyp
         rows[0:16].copy_(new[0:8])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_whole_blocks_from_fp32_round_as_torch_converts(dtype):
+    """A transfer's fp32 tensors into a bf16 engine: whole blocks are converted and packed in one
+    pass (write_blocks where the library loads), and must hold the bits `pack(src.to(dtype))`
+    does: round to nearest even at ties, infinities and signed zeros kept, NaN still NaN."""
+    from spmd_engine.kernels.packed_rows import PackedRows
+    gen = torch.Generator().manual_seed(3)
+    src = torch.randn(48, 64, generator=gen) * 1000
+    ties = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 2 ** -130, float("inf"), -0.0])
+    src[0, :6] = ties  # exactly halfway between two bf16 values: even wins (and a denormal)
+    src[1, 0] = float("nan")  # row 17 of the weight
+    packed = vnni_gemm.pack(torch.zeros(64, 64, dtype=dtype))
+    PackedRows(packed)[16:64].copy_(src)
+    want = torch.zeros(64, 64, dtype=dtype)
+    want[16:] = src.to(dtype)
+    got = vnni_gemm.unpack(packed)
+    assert torch.isnan(got[17, 0]) and torch.isnan(want[17, 0])
+    got[17, 0] = want[17, 0] = 0
+    assert torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                       want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+
+
 def logits_of(path, layout: str, monkeypatch) -> list[np.ndarray]:
     monkeypatch.setenv(envs.CPU_BF16_GEMM, layout)
     model = load_model(path, SoloGroup(), SoloGroup(), dtype=torch.bfloat16)
