@@ -540,6 +540,73 @@ void fill_blocks(D* out, const S* src, int64_t ld, int64_t n, int64_t K, int64_t
   }
 }
 
+// The 16 x 16 matrix of 4-byte words in r[0..15] (row i in r[i]) transposed in registers.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {  // 128-bit lanes: rows i, i+4, i+8, i+12 hold lane-columns 0..3
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xDD);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xDD);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xDD);
+    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xDD);
+  }
+}
+
+// 16 fp32 as bf16 (to_bf16's rounding) in the low halves of 16 dwords.
+inline __m512i to_bf16x16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_ORD_Q), _mm512_set1_epi32(0x7FC0), rounded);
+}
+
+// fill_blocks for fp32 rows into a bf16 weight, 16 lines (32 columns) of a block at a time:
+// each row's 32 values rounded and paired into 16 words, then the 16 rows transposed.
+void fill_blocks_fp32_bf16(uint16_t* out, const float* src, int64_t ld, int64_t n, int64_t K) {
+  const int64_t lines = K / 2, whole = lines / 16 * 16;
+  // Streaming stores where the lines are 64-byte aligned: the weight is not read again soon,
+  // and a plain store would first read every line it writes (a third more memory traffic,
+  // beside a transfer's receive that needs the bandwidth).
+  const bool aligned = reinterpret_cast<uintptr_t>(out) % 64 == 0;
+  for (int64_t b = 0; b < n / 16; ++b) {
+    uint16_t* block = out + b * K * 16;
+    const float* rows = src + b * 16 * ld;
+    for (int64_t l0 = 0; l0 < whole; l0 += 16) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) {
+        const float* at = rows + i * ld + 2 * l0;
+        const __m256i lo = _mm512_cvtepi32_epi16(to_bf16x16(_mm512_loadu_ps(at)));
+        const __m256i hi = _mm512_cvtepi32_epi16(to_bf16x16(_mm512_loadu_ps(at + 16)));
+        r[i] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+      }
+      transpose16(r);
+      for (int j = 0; j < 16; ++j) {
+        if (aligned) _mm512_stream_si512(reinterpret_cast<__m512i*>(block + (l0 + j) * 32), r[j]);
+        else _mm512_storeu_si512(block + (l0 + j) * 32, r[j]);
+      }
+    }
+    for (int64_t line = whole; line < lines; ++line)
+      for (int64_t i = 0; i < 16; ++i)
+        for (int64_t j = 0; j < 2; ++j) block[(line * 16 + i) * 2 + j] = to_bf16(rows[i * ld + line * 2 + j]);
+  }
+  _mm_sfence();  // the streamed lines are visible before the update is reported done
+}
+
 void write_blocks(at::Tensor packed, int64_t first, const at::Tensor& src) {
   TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && src.dim() == 2 && src.stride(1) == 1,
               "write_blocks: a contiguous packed weight and rows whose columns are contiguous");
@@ -553,7 +620,7 @@ void write_blocks(at::Tensor packed, int64_t first, const at::Tensor& src) {
   if (bf16_out && bf16_in)
     fill_blocks(static_cast<uint16_t*>(packed.data_ptr()) + offset, static_cast<const uint16_t*>(src.data_ptr()), ld, n, K, p);
   else if (bf16_out)
-    fill_blocks(static_cast<uint16_t*>(packed.data_ptr()) + offset, src.data_ptr<float>(), ld, n, K, p);
+    fill_blocks_fp32_bf16(static_cast<uint16_t*>(packed.data_ptr()) + offset, src.data_ptr<float>(), ld, n, K);
   else if (bf16_in)
     fill_blocks(packed.data_ptr<float>() + offset, static_cast<const uint16_t*>(src.data_ptr()), ld, n, K, p);
   else

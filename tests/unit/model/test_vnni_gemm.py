@@ -200,13 +200,14 @@ def test_whole_blocks_from_fp32_round_as_torch_converts(dtype):
     ties = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 2 ** -130, float("inf"), -0.0])
     src[0, :6] = ties  # exactly halfway between two bf16 values: even wins (and a denormal)
     src[1, 0] = float("nan")  # row 17 of the weight
+    src[1, 1] = torch.tensor([0x7F800001], dtype=torch.int32).view(torch.float32)  # a NaN rounding alone would make inf
     packed = vnni_gemm.pack(torch.zeros(64, 64, dtype=dtype))
     PackedRows(packed)[16:64].copy_(src)
     want = torch.zeros(64, 64, dtype=dtype)
     want[16:] = src.to(dtype)
     got = vnni_gemm.unpack(packed)
-    assert torch.isnan(got[17, 0]) and torch.isnan(want[17, 0])
-    got[17, 0] = want[17, 0] = 0
+    assert torch.isnan(got[17, :2]).all() and torch.isnan(want[17, :2]).all()
+    got[17, :2] = want[17, :2] = 0
     assert torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
                        want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
 
