@@ -174,18 +174,43 @@ def pack(bucket: torch.Tensor, pieces: list[Piece] | tuple[Piece, ...], tensors:
     return end
 
 
+class SpanBuffers:
+    """The buffers that tensors spanning buckets are assembled in, kept from one update to the
+    next: an RL loop pushes every step, and a fresh buffer for the embedding or the LM head would
+    fault in every page of it each time (as long as receiving it). Holds at most the buffers one
+    update had in use at once; `clear` frees them (shutdown, or a stream that broke while a
+    broadcast may still be writing into one)."""
+
+    def __init__(self):
+        self._free: dict[tuple[int, str], list[torch.Tensor]] = {}
+
+    def take(self, nbytes: int, device: torch.device | str) -> torch.Tensor:
+        free = self._free.get((nbytes, str(device)))
+        return free.pop() if free else torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        self._free.setdefault((buffer.numel(), str(buffer.device)), []).append(buffer)
+
+    def clear(self) -> None:
+        self._free = {}
+
+
 class Unpacker:
     """Turns buckets back into tensors: `feed(k, bucket)` returns the (name, tensor) pairs that
-    bucket (or one of its segments) completes. A tensor wholly inside a bucket is a view of it (valid until the bucket is
-    reused: apply it first); one that spans buckets is assembled in a buffer of its own, either
-    received there directly (`destination`) or copied there from the bucket by `feed`."""
+    bucket (or one of its segments) completes, to be applied (copied out) before the bucket is
+    reused or `feed` is called again. A tensor wholly inside a bucket is a view of it; one that
+    spans buckets is assembled in a buffer of its own (from `spans`, returned there by the next
+    `feed` or by `release`), either received there directly (`destination`) or copied there
+    from the bucket by `feed`."""
 
-    def __init__(self, manifest: Manifest, device: torch.device | str = "cpu"):
+    def __init__(self, manifest: Manifest, device: torch.device | str = "cpu", spans: SpanBuffers | None = None):
         self.manifest, self.device = manifest, device
         self.plan = bucket_plan(manifest)
         self.sizes = manifest.nbytes()
         self.segments = [segments(pieces, self.sizes) for pieces in self.plan]
+        self.spans = spans if spans is not None else SpanBuffers()
         self._partial: dict[int, torch.Tensor] = {}
+        self._completed: list[torch.Tensor] = []  # handed out by the last feed
         self._received: set[Piece] = set()  # pieces already in their tensor's buffer
 
     def destination(self, segment: Segment, bucket: torch.Tensor) -> torch.Tensor:
@@ -200,11 +225,18 @@ class Unpacker:
     def _buffer(self, index: int) -> torch.Tensor:
         buf = self._partial.get(index)
         if buf is None:
-            buf = self._partial[index] = torch.empty(self.sizes[index], dtype=torch.uint8, device=self.device)
+            buf = self._partial[index] = self.spans.take(self.sizes[index], self.device)
         return buf
+
+    def release(self) -> None:
+        """The buffers of tensors the last feed completed go back to `spans` (they are applied)."""
+        for buf in self._completed:
+            self.spans.give(buf)
+        self._completed = []
 
     def feed(self, k: int, bucket: torch.Tensor, pieces=None) -> list[tuple[str, torch.Tensor]]:
         """`pieces`: only these of bucket k (a segment that has arrived), in stream order."""
+        self.release()
         out = []
         for p in self.plan[k] if pieces is None else pieces:
             if p.length == self.sizes[p.index]:
@@ -216,6 +248,7 @@ class Unpacker:
                 if p.tensor_offset + p.length < self.sizes[p.index]:
                     continue
                 raw = self._partial.pop(p.index)
+                self._completed.append(raw)
             out.append((self.manifest.names[p.index], self._typed(p.index, raw)))
         return out
 

@@ -16,7 +16,7 @@ import torch
 
 from spmd_engine.distributed.weight_transfer.config import TransferInitInfo, TransferUpdateInfo
 from spmd_engine.distributed.weight_transfer.group import TransferError, TransferGroup, join_store
-from spmd_engine.distributed.weight_transfer.packing import MAX_MANIFEST_BYTES, Manifest, Unpacker
+from spmd_engine.distributed.weight_transfer.packing import MAX_MANIFEST_BYTES, Manifest, SpanBuffers, Unpacker
 
 
 class WeightReceiver:
@@ -28,6 +28,7 @@ class WeightReceiver:
         self.group = TransferGroup(store, rank, info.world_size, info.timeout_s, dev)
         self.device = device
         self._kept: list[torch.Tensor] = []
+        self._spans = SpanBuffers()  # kept as the bucket buffers are (_buffers says why)
 
     @property
     def failed(self) -> str | None:
@@ -46,7 +47,7 @@ class WeightReceiver:
             if segment is not None:
                 segment.close()
             raise ValueError(f"weight update refused: {verdict}")
-        unpack = Unpacker(manifest, self.device)
+        unpack = Unpacker(manifest, self.device, self._spans)
         update = open_update(manifest)
         failure: str | None = None
         applied = 0
@@ -68,11 +69,13 @@ class WeightReceiver:
                 self._from_group(manifest, unpack, consume)
         except BaseException:
             self._kept = []  # a broadcast may still be writing into them
+            self._spans.clear()
             _close(update)  # the stream's error is the one to report
             raise
         finally:
             if segment is not None:
                 segment.close()
+        unpack.release()
         failure = failure or _close(update)
         verdict = self.group.agree(failure, "applying the weights")
         if verdict:
@@ -122,6 +125,7 @@ class WeightReceiver:
 
     def close(self) -> None:
         self._kept = []
+        self._spans.clear()
         group, self.group = self.group, None
         if group is not None:
             group.close()

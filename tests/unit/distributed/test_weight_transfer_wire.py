@@ -12,7 +12,7 @@ from spmd_engine.distributed.weight_transfer.config import (
     TransferUpdateInfo,
     WeightTransferConfig,
 )
-from spmd_engine.distributed.weight_transfer.packing import ALIGN, Manifest, Unpacker, bucket_plan, pack
+from spmd_engine.distributed.weight_transfer.packing import ALIGN, Manifest, SpanBuffers, Unpacker, bucket_plan, pack
 
 
 def _tensors(seed: int) -> list[tuple[str, torch.Tensor]]:
@@ -53,6 +53,31 @@ def test_a_tensor_larger_than_a_bucket_spans_several():
     plan = bucket_plan(manifest)
     assert len(plan) == 4 and [p.index for p in plan[0]] == [0] and plan[3][-1].index == 1
     assert max(p.bucket_offset + p.length for b in plan for p in b) <= 1024
+
+
+def test_spanning_buffers_are_reused_across_updates_and_never_while_handed_out():
+    """Two updates through one SpanBuffers (as a receiver keeps it): the buffers a spanning tensor
+    is assembled in come back for the next update (no fresh pages each push), and a buffer whose
+    tensor the last feed handed out is not taken by the next spanning tensor of that size before
+    the caller has applied it (A ends in the bucket where B, the same size, starts)."""
+    spans = SpanBuffers()
+    seen = []
+    for update in range(2):
+        tensors = [("a", torch.arange(1000, dtype=torch.float32) + update),
+                   ("b", torch.arange(1000, dtype=torch.float32) * -1 - update)]
+        manifest = Manifest.of(tensors, 1024)
+        unpack = Unpacker(manifest, spans=spans)
+        bucket = torch.empty(manifest.bucket_bytes, dtype=torch.uint8)
+        got = {}
+        for k, pieces in enumerate(unpack.plan):
+            used = pack(bucket, pieces, [t for _, t in tensors])
+            for name, t in unpack.feed(k, bucket[:used]):
+                seen.append(t.data_ptr())
+                got[name] = t.clone()  # applied only now, after the whole feed
+        unpack.release()
+        for name, t in tensors:
+            assert torch.equal(got[name], t), (update, name)
+    assert len(set(seen)) == 2 and set(seen[:2]) == set(seen[2:])  # two buffers, the same ones both times
 
 
 @pytest.mark.parametrize("bad, needle", [
