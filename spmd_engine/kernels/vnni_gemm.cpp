@@ -519,27 +519,6 @@ inline D convert(S v) {
   else return from_bf16(v);
 }
 
-// Blocks [first, first + n / 16) of a packed weight from src's n rows: each block's 16 rows are
-// converted into a scratch block in cache (contiguous, so the conversion vectorises), then its
-// 4-byte words (a bf16 pair, or one fp32) are transposed into place. An update's whole-block
-// write, without the converted copy of src and the strided copy that `pack` of it would make.
-template <class S, class D>
-void fill_blocks(D* out, const S* src, int64_t ld, int64_t n, int64_t K, int64_t p) {
-  const int64_t lines = K / p;  // 4-byte words per row
-  std::vector<D> scratch(16 * K);
-  char* words = reinterpret_cast<char*>(out);
-  for (int64_t b = 0; b < n / 16; ++b) {
-    for (int64_t r = 0; r < 16; ++r) {
-      const S* row = src + (b * 16 + r) * ld;
-      D* to = scratch.data() + r * K;
-      for (int64_t c = 0; c < K; ++c) to[c] = convert<S, D>(row[c]);
-    }
-    char* block = words + b * K * 16 * sizeof(D);
-    for (int64_t line = 0; line < lines; ++line)
-      for (int64_t r = 0; r < 16; ++r) std::memcpy(block + (line * 16 + r) * 4, scratch.data() + r * K + line * p, 4);
-  }
-}
-
 // The 16 x 16 matrix of 4-byte words in r[0..15] (row i in r[i]) transposed in registers.
 inline void transpose16(__m512i r[16]) {
   __m512i t[16];
@@ -575,34 +554,46 @@ inline __m512i to_bf16x16(__m512 v) {
   return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_ORD_Q), _mm512_set1_epi32(0x7FC0), rounded);
 }
 
-// fill_blocks for fp32 rows into a bf16 weight, 16 lines (32 columns) of a block at a time:
-// each row's 32 values rounded and paired into 16 words, then the 16 rows transposed.
-void fill_blocks_fp32_bf16(uint16_t* out, const float* src, int64_t ld, int64_t n, int64_t K) {
-  const int64_t lines = K / 2, whole = lines / 16 * 16;
-  // Streaming stores where the lines are 64-byte aligned: the weight is not read again soon,
-  // and a plain store would first read every line it writes (a third more memory traffic,
-  // beside a transfer's receive that needs the bandwidth).
+// 16 words of the packed layout (a bf16 pair or one fp32 each) from the S values at `at`.
+template <class S, class D>
+inline __m512i words16(const S* at) {
+  if constexpr (std::is_same_v<S, D>) {
+    return _mm512_loadu_si512(at);
+  } else if constexpr (std::is_same_v<D, float>) {  // bf16 widened exactly
+    return _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at))), 16);
+  } else {  // 32 fp32 rounded, paired
+    const __m256i lo = _mm512_cvtepi32_epi16(to_bf16x16(_mm512_loadu_ps(at)));
+    const __m256i hi = _mm512_cvtepi32_epi16(to_bf16x16(_mm512_loadu_ps(at + 16)));
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  }
+}
+
+// Blocks [first, first + n / 16) of a packed weight from src's n rows, converted and transposed
+// in registers 16 lines of a block at a time: an update's whole-block write, without the
+// converted copy of src and the strided copy that `pack` of it would make. Streaming stores
+// where the lines are 64-byte aligned: the weight is not read again soon, and a plain store
+// first reads every line it writes (a third more memory traffic, beside a transfer's receive).
+template <class S, class D>
+void fill_blocks(D* out, const S* src, int64_t ld, int64_t n, int64_t K) {
+  constexpr int64_t p = sizeof(float) / sizeof(D);  // values per word
+  const int64_t lines = K / p, whole = lines / 16 * 16;
   const bool aligned = reinterpret_cast<uintptr_t>(out) % 64 == 0;
   for (int64_t b = 0; b < n / 16; ++b) {
-    uint16_t* block = out + b * K * 16;
-    const float* rows = src + b * 16 * ld;
+    D* block = out + b * K * 16;
+    const S* rows = src + b * 16 * ld;
     for (int64_t l0 = 0; l0 < whole; l0 += 16) {
       __m512i r[16];
-      for (int i = 0; i < 16; ++i) {
-        const float* at = rows + i * ld + 2 * l0;
-        const __m256i lo = _mm512_cvtepi32_epi16(to_bf16x16(_mm512_loadu_ps(at)));
-        const __m256i hi = _mm512_cvtepi32_epi16(to_bf16x16(_mm512_loadu_ps(at + 16)));
-        r[i] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-      }
+      for (int i = 0; i < 16; ++i) r[i] = words16<S, D>(rows + i * ld + p * l0);
       transpose16(r);
       for (int j = 0; j < 16; ++j) {
-        if (aligned) _mm512_stream_si512(reinterpret_cast<__m512i*>(block + (l0 + j) * 32), r[j]);
-        else _mm512_storeu_si512(block + (l0 + j) * 32, r[j]);
+        void* line = block + (l0 + j) * 16 * p;
+        if (aligned) _mm512_stream_si512(static_cast<__m512i*>(line), r[j]);
+        else _mm512_storeu_si512(line, r[j]);
       }
     }
     for (int64_t line = whole; line < lines; ++line)
       for (int64_t i = 0; i < 16; ++i)
-        for (int64_t j = 0; j < 2; ++j) block[(line * 16 + i) * 2 + j] = to_bf16(rows[i * ld + line * 2 + j]);
+        for (int64_t j = 0; j < p; ++j) block[(line * 16 + i) * p + j] = convert<S, D>(rows[i * ld + line * p + j]);
   }
   _mm_sfence();  // the streamed lines are visible before the update is reported done
 }
@@ -616,15 +607,14 @@ void write_blocks(at::Tensor packed, int64_t first, const at::Tensor& src) {
   const bool bf16_in = src.scalar_type() == at::kBFloat16, bf16_out = packed.scalar_type() == at::kBFloat16;
   TORCH_CHECK((bf16_in || src.scalar_type() == at::kFloat) && (bf16_out || packed.scalar_type() == at::kFloat),
               "write_blocks: bf16 or fp32 only");
+  TORCH_CHECK(p == (bf16_out ? 2 : 1), "write_blocks: not a packed layout of its dtype");
   const int64_t ld = src.stride(0), offset = first * K * 16;
-  if (bf16_out && bf16_in)
-    fill_blocks(static_cast<uint16_t*>(packed.data_ptr()) + offset, static_cast<const uint16_t*>(src.data_ptr()), ld, n, K, p);
-  else if (bf16_out)
-    fill_blocks_fp32_bf16(static_cast<uint16_t*>(packed.data_ptr()) + offset, src.data_ptr<float>(), ld, n, K);
-  else if (bf16_in)
-    fill_blocks(packed.data_ptr<float>() + offset, static_cast<const uint16_t*>(src.data_ptr()), ld, n, K, p);
-  else
-    fill_blocks(packed.data_ptr<float>() + offset, src.data_ptr<float>(), ld, n, K, p);
+  uint16_t* half_out = static_cast<uint16_t*>(packed.data_ptr()) + offset;
+  const uint16_t* half_in = static_cast<const uint16_t*>(src.data_ptr());
+  if (bf16_out && bf16_in) fill_blocks(half_out, half_in, ld, n, K);
+  else if (bf16_out) fill_blocks(half_out, src.data_ptr<float>(), ld, n, K);
+  else if (bf16_in) fill_blocks(packed.data_ptr<float>() + offset, half_in, ld, n, K);
+  else fill_blocks(packed.data_ptr<float>() + offset, src.data_ptr<float>(), ld, n, K);
 }
 
 }  // namespace

@@ -191,9 +191,10 @@ def test_rows_written_in_place_are_the_bytes_packing_the_whole_weight_gives(dtyp
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_whole_blocks_from_fp32_round_as_torch_converts(dtype):
-    """A transfer's fp32 tensors into a bf16 engine: whole blocks are converted and packed in one
-    pass (write_blocks where the library loads), and must hold the bits `pack(src.to(dtype))`
-    does: round to nearest even at ties, infinities and signed zeros kept, NaN still NaN."""
+    """A transfer's fp32 tensors into a bf16 or fp32 engine (and bf16 ones): whole blocks are
+    converted and packed in one pass (write_blocks where the library loads), and must hold the
+    bits `pack(src.to(dtype))` does: round to nearest even at ties, infinities and signed zeros
+    kept, NaN still NaN."""
     from spmd_engine.kernels.packed_rows import PackedRows
     gen = torch.Generator().manual_seed(3)
     src = torch.randn(48, 64, generator=gen) * 1000
@@ -203,8 +204,11 @@ def test_whole_blocks_from_fp32_round_as_torch_converts(dtype):
     src[1, 1] = torch.tensor([0x7F800001], dtype=torch.int32).view(torch.float32)  # a NaN rounding alone would make inf
     packed = vnni_gemm.pack(torch.zeros(64, 64, dtype=dtype))
     PackedRows(packed)[16:64].copy_(src)
+    halves = torch.randn(16, 64, generator=gen).to(torch.bfloat16)  # and a bf16 source: copied or widened
+    PackedRows(packed)[0:16].copy_(halves)
     want = torch.zeros(64, 64, dtype=dtype)
     want[16:] = src.to(dtype)
+    want[:16] = halves.to(dtype)
     got = vnni_gemm.unpack(packed)
     assert torch.isnan(got[17, :2]).all() and torch.isnan(want[17, :2]).all()
     got[17, :2] = want[17, :2] = 0
