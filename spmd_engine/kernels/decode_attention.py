@@ -41,6 +41,12 @@ def usable(device) -> bool:
     return reason is None
 
 
+def start_building(device) -> None:
+    """Start building the library now (native.start_building) where `usable` will ask for it."""
+    if torch.device(device).type == "cpu" and envs.cpu_decode_attention() != "torch":
+        native.start_building(SOURCE)
+
+
 def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            step: tuple, scale: float, window: int | None = None) -> torch.Tensor:
     """attention.decode_attention's contract: q [N, heads, D], k and v [N, kv_heads, D], `step`

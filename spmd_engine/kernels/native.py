@@ -20,6 +20,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -54,19 +55,48 @@ def load(source: Path, fakes: dict[str, Callable]) -> None:
             torch.library.register_fake(name, fake)
 
 
+def start_building(source: Path) -> None:
+    """Build `source`'s library on a thread of its own, now, unless it is in the cache already:
+    a fresh machine's first start then compiles the kernels side by side (g++ runs outside the
+    GIL) and beside the checkpoint's load, instead of one after the other when each is first
+    needed. The thread only builds: `load` (through `built`) waits for its lock, and builds
+    again, reporting why, if the thread failed. Not a daemon, so an exiting process waits for
+    its g++ rather than leaving it behind."""
+    if shutil.which("g++") is None:
+        return
+    try:
+        if _library_path(source).exists():
+            return
+    except (OSError, subprocess.CalledProcessError):
+        return
+    threading.Thread(target=_build_quietly, args=(source,), name=f"build {source.name}").start()
+
+
+def _build_quietly(source: Path) -> None:
+    try:
+        built(source)
+    except Exception as exc:  # load() builds again and says why
+        logger.debug("building kernels/%s ahead failed: %s", source.name, exc)
+
+
 def built(source: Path) -> Path:
     """The shared library for `source`: built unless already in the cache folder (another
     process of the job may be building it: wait for its lock)."""
-    compiler = subprocess.run(["g++", "--version"], capture_output=True, text=True, check=True).stdout
-    facts = (source.read_bytes(), torch.__version__, sys.version, compiler, sorted(platform.cpu_flags()),
-             torch._C._GLIBCXX_USE_CXX11_ABI)
-    path = cache_dir() / FOLDER / f"{source.stem}_{hashlib.sha256(repr(facts).encode()).hexdigest()[:24]}.so"
+    path = _library_path(source)
     if path.exists():
         return path
     with build_lock(path):
         if not path.exists():
             _compile(source, path)
     return path
+
+
+def _library_path(source: Path) -> Path:
+    """Where `source`'s library for this machine is kept: named by everything that decides it."""
+    compiler = subprocess.run(["g++", "--version"], capture_output=True, text=True, check=True).stdout
+    facts = (source.read_bytes(), torch.__version__, sys.version, compiler, sorted(platform.cpu_flags()),
+             torch._C._GLIBCXX_USE_CXX11_ABI)
+    return cache_dir() / FOLDER / f"{source.stem}_{hashlib.sha256(repr(facts).encode()).hexdigest()[:24]}.so"
 
 
 # Instruction sets a source may test for (#if defined(__AVX512BF16__)): torch's cpuinfo name,
@@ -97,13 +127,16 @@ def _compile(source: Path, path: Path) -> None:
            *[f"-I{p}" for p in cpp_extension.include_paths()], f"-I{sysconfig.get_paths()['include']}",
            str(source), "-o", str(partial), f"-L{torch_lib}", "-ltorch", "-ltorch_cpu", "-lc10",
            f"-Wl,-rpath,{torch_lib}", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
-    logger.info("building the CPU kernel kernels/%s into %s", source.name, path.parent)
+    logger.info("building the CPU kernel kernels/%s into %s (once per machine and torch version)",
+                source.name, path.parent)
+    started = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             errors = [line for line in proc.stderr.splitlines() if "error" in line] or proc.stderr.splitlines() or [""]
             raise RuntimeError(f"g++ exited with {proc.returncode}: {errors[0].strip()}")
         os.replace(partial, path)  # whole or not at all: a reader never loads half a library
+        logger.info("built kernels/%s in %.1f s", source.name, time.perf_counter() - started)
     finally:
         partial.unlink(missing_ok=True)
 

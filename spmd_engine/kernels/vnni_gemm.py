@@ -184,6 +184,18 @@ def _tiles_tried() -> bool:
     return unavailable() is None and _Tiles.tried
 
 
+def start_building(dtype: torch.dtype) -> None:
+    """Start building the library now (native.start_building) where weights of `dtype` may go
+    to it: the flags are there and neither variable says oneDNN."""
+    if dtype not in (torch.float32, torch.bfloat16) or not envs.cpu_packed_weights():
+        return
+    choice = envs.cpu_fp32_gemm() if dtype == torch.float32 else envs.cpu_bf16_gemm()
+    flags = platform.cpu_flags()
+    needed = NEEDED_FLAGS + (() if dtype == torch.float32 else BF16_FLAGS)
+    if choice != "onednn" and all(flags.intersection(names) for names in needed):
+        native.start_building(SOURCE)
+
+
 @functools.lru_cache(maxsize=None)
 def unavailable(dtype: torch.dtype = torch.bfloat16) -> str | None:
     """Why the kernel cannot take `dtype`'s weights here, or None once it is loaded and its

@@ -15,6 +15,7 @@ import logging
 import os
 import time
 from collections import Counter
+from pathlib import Path
 
 import torch
 
@@ -70,6 +71,13 @@ class ModelRunner:
         from spmd_engine.kernels.packed_weights import layout, pack_linear_weights, packing_applies
         from spmd_engine.model.loader import load_model
         mc = self.config.model_config
+        if self.device.type == "cpu":  # the kernels build (first start only) while the checkpoint loads
+            from spmd_engine.kernels import decode_attention, vnni_gemm
+            from spmd_engine.model.loader import BUNDLED_MODEL_DIR, read_hf_config
+            from spmd_engine.platform import resolve_dtype
+            hf_config = read_hf_config(Path(mc.model_dir) if mc.model_dir is not None else BUNDLED_MODEL_DIR)
+            vnni_gemm.start_building(resolve_dtype(mc.dtype, hf_config, self.device))
+            decode_attention.start_building(self.device)
         self.model = load_model(mc.model_dir, self.tp_group, self.pp_group, dtype=mc.dtype,
                                 device=self.device, pp_partition=mc.pp_partition,
                                 load_format=mc.load_format, batch_invariant=mc.batch_invariant,
