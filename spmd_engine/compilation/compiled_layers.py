@@ -283,12 +283,12 @@ class CompiledLayers:
                 package = precompiled.load(path) if waited else None  # what the other process saved
                 if package is None:
                     kind = "decode steps of one token" if single else "decode steps" if is_decode else "steps"
-                    logger.info("compiled forward: compiling the graph of %d layers for %s into %s (a first start "
+                    logger.info("compiling the graph of %d layers for %s into %s (a first start "
                                 "on this cache only; later starts load it)", len(chunk), kind, path.parent)
                     started = time.perf_counter()
                     example = _export_example(program, cos, sin, hidden, residual, decode, single)
                     package, built = precompiled.build_and_save(program, *example, self.mode, path), True
-                    logger.info("compiled forward: the graph for %s compiled in %.1f s", kind,
+                    logger.info("compiled the graph for %s in %.1f s", kind,
                                 time.perf_counter() - started)
         if not built:
             self.loaded.append(str(path))
