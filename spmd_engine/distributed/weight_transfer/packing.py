@@ -177,16 +177,25 @@ def pack(bucket: torch.Tensor, pieces: list[Piece] | tuple[Piece, ...], tensors:
 class SpanBuffers:
     """The buffers that tensors spanning buckets are assembled in, kept from one update to the
     next: an RL loop pushes every step, and a fresh buffer for the embedding or the LM head would
-    fault in every page of it each time (as long as receiving it). Holds at most the buffers one
-    update had in use at once; `clear` frees them (shutdown, or a stream that broke while a
-    broadcast may still be writing into one)."""
+    fault in every page of it each time (as long as receiving it). Holds at most the buffers the
+    last update had in use at once (`trim` drops sizes it did not take); `clear` frees them all
+    (shutdown, or a stream that broke while a broadcast may still be writing into one)."""
 
     def __init__(self):
         self._free: dict[tuple[int, str], list[torch.Tensor]] = {}
+        self._taken: set[tuple[int, str]] = set()
 
     def take(self, nbytes: int, device: torch.device | str) -> torch.Tensor:
-        free = self._free.get((nbytes, str(device)))
+        key = (nbytes, str(device))
+        self._taken.add(key)
+        free = self._free.get(key)
         return free.pop() if free else torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def trim(self) -> None:
+        """After an update: keep only the sizes it took (a trainer whose tensors changed size
+        leaves no buffers of the old sizes behind)."""
+        self._free = {key: bufs for key, bufs in self._free.items() if key in self._taken}
+        self._taken = set()
 
     def give(self, buffer: torch.Tensor) -> None:
         self._free.setdefault((buffer.numel(), str(buffer.device)), []).append(buffer)

@@ -76,6 +76,7 @@ class WeightReceiver:
             if segment is not None:
                 segment.close()
         unpack.release()
+        self._spans.trim()
         failure = failure or _close(update)
         verdict = self.group.agree(failure, "applying the weights")
         if verdict:

@@ -78,6 +78,10 @@ def test_spanning_buffers_are_reused_across_updates_and_never_while_handed_out()
         for name, t in tensors:
             assert torch.equal(got[name], t), (update, name)
     assert len(set(seen)) == 2 and set(seen[:2]) == set(seen[2:])  # two buffers, the same ones both times
+    spans.trim()
+    assert sum(len(b) for b in spans._free.values()) == 2  # the last update took these sizes: kept
+    spans.trim()  # an update that took nothing of that size (the trainer's tensors changed): dropped
+    assert not spans._free
 
 
 @pytest.mark.parametrize("bad, needle", [
