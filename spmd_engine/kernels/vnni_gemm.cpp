@@ -505,18 +505,11 @@ inline uint16_t to_bf16(float f) {
   return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-inline float from_bf16(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
 template <class S, class D>
 inline D convert(S v) {
   if constexpr (std::is_same_v<S, D>) return v;
   else if constexpr (std::is_same_v<D, uint16_t>) return to_bf16(v);
-  else return from_bf16(v);
+  else return widen(v);
 }
 
 // The 16 x 16 matrix of 4-byte words in r[0..15] (row i in r[i]) transposed in registers.
